@@ -1,0 +1,176 @@
+"""The MLA prefill backend abstraction every backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import DeviceCapability
+
+    from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+
+R1_MLA_DIMS = (128, 64, 128)
+"""DeepSeek-R1/V3 MLA dims: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)."""
+
+
+class MLAPrefillBackend(ABC):
+    """One MLA prefill attention kernel, owned by one MLA attention layer.
+
+    Prefill in MLA runs ordinary multi-head attention on decompressed keys and
+    values. Every backend holds these conventions, so the layer can merge its
+    results with vLLM's ``merge_attn_states``:
+
+    * ``q`` and ``k``: ``[tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim]``.
+    * ``v``: ``[tokens, num_heads, v_head_dim]``.
+    * output: ``[tokens, num_heads, v_head_dim]`` (never padded: a backend that pads
+      V for its kernel slices the output back before returning it).
+    * LSE: ``[num_heads, tokens]``, ``float32``, natural log (``merge_attn_states``
+      uses ``exp``; FlashInfer's base-2 LSE is converted).
+    * The softmax scale is ``self.scale``: the owning layer's ``scale``, nothing
+      else (for DeepSeek-V2/V3 it includes the YaRN mscale the model computes).
+
+    Life cycle: the layer builds the backend once; before each forward pass with
+    prefill tokens, the metadata builder calls :meth:`prepare_metadata` with vLLM's
+    ``MLACommonPrefillMetadata``; then the attention implementation calls
+    :meth:`run_prefill_new_tokens` (causal attention among the new tokens) and,
+    when requests have cached context, :meth:`run_prefill_context_chunk` once per
+    context chunk (non-causal attention of the new tokens over that chunk).
+
+    The prefill metadata fields a backend may read: ``query_start_loc`` (int32
+    ``[num_prefills + 1]`` on the device), ``max_query_len``, ``q_data_type``,
+    ``output_dtype`` and ``chunked_context`` (``cu_seq_lens[i]``,
+    ``max_seq_lens[i]``, ``seq_lens[i]`` for chunk ``i``).
+    """
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    """Model dtypes the kernel takes."""
+
+    requires_r1_mla_dimensions: ClassVar[bool] = False
+    """True when the kernel only takes DeepSeek-R1 dims (qk_nope 128, qk_rope 64, v 128)."""
+
+    supports_fp8_query: ClassVar[bool] = False
+    """True when the kernel takes an FP8 query (vLLM's prefill query quantization)."""
+
+    hardware_note: ClassVar[str] = ""
+    """Where the backend has been verified on real hardware (for the docs table)."""
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The name users select the backend by (built-ins: the enum member name)."""
+
+    @classmethod
+    def supports_compute_capability(cls, device_capability: DeviceCapability | None) -> bool:
+        """Whether the kernel runs on a device of this capability (None: no GPU)."""
+        return True
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the kernel's library can be imported in this process."""
+        return True
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """What is missing when :meth:`is_available` is False."""
+        return "required kernel library is not importable"
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        device_capability: DeviceCapability | None,
+        selector_config: MLAPrefillSelectorConfig,
+    ) -> list[str]:
+        """Every reason this backend cannot serve; empty when it can."""
+        reasons: list[str] = []
+        if not cls.supports_compute_capability(device_capability):
+            where = (
+                "no GPU (CPU or unknown platform)"
+                if device_capability is None
+                else f"compute capability {device_capability.major}.{device_capability.minor}"
+            )
+            reasons.append(f"{where} not supported")
+        if not cls.supports_dtype(selector_config.dtype):
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            reasons.append(
+                f"dtype {str(selector_config.dtype).removeprefix('torch.')} not supported "
+                f"(supports {names})"
+            )
+        if not cls.is_available():
+            reasons.append(cls.unavailable_reason())
+        if cls.requires_r1_mla_dimensions and not selector_config.is_r1_compatible:
+            reasons.append(
+                "model does not have DeepSeek-R1 MLA dimensions "
+                "(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)"
+            )
+        return reasons
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        vllm_config: VllmConfig | None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.scale = float(scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.vllm_config = vllm_config
+        self._prefill_metadata: Any = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def prefill_metadata(self) -> Any:
+        """The prefill metadata of the current step (set by :meth:`prepare_metadata`)."""
+        if self._prefill_metadata is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: prepare_metadata() was not called before the "
+                "prefill ran"
+            )
+        return self._prefill_metadata
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        """Take this step's prefill metadata; do per-step work once here, not per call."""
+        self._prefill_metadata = prefill_metadata
+
+    @abstractmethod
+    def run_prefill_new_tokens(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_softmax_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention among the new tokens: output, or (output, LSE)."""
+
+    @abstractmethod
+    def run_prefill_context_chunk(
+        self,
+        chunk_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-causal attention of the new tokens over context chunk ``chunk_idx``."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_heads={self.num_heads}, scale={self.scale:.6g}, "
+            f"qk={self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v={self.v_head_dim})"
+        )

@@ -1,0 +1,165 @@
+"""FLASH_ATTN: vLLM's bundled FlashAttention varlen kernel (upstream flash-attn where absent)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import DeviceCapability
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Any, bool] | None:
+    """(flash_attn_varlen_func, is_vllm_fa), or None when no FlashAttention is installed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_rocm():
+        try:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func, True
+        except ImportError:
+            pass
+    try:  # ROCm, or a build without vLLM's FlashAttention: the upstream package
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func, False
+    except ImportError:
+        return None
+
+
+class FlashAttnPrefillBackend(MLAPrefillBackend):
+    """FlashAttention varlen prefill.
+
+    FA3 on Hopper and FA4 take qk head dim 192 with v head dim 128 natively. FA2
+    (other architectures, and the upstream package) needs equal head dims: V is
+    zero-padded to the qk dim and the output sliced back, and made contiguous,
+    before it leaves the backend, so what the layer merges is never padded.
+    """
+
+    hardware_note: ClassVar[str] = "H200 (SM90, FA3)"
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @classmethod
+    def supports_compute_capability(cls, device_capability: DeviceCapability | None) -> bool:
+        return device_capability is not None and device_capability.major >= 8
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return _varlen_kernel() is not None
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        return "neither vllm.vllm_flash_attn nor the flash-attn package is importable"
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        vllm_config: VllmConfig | None,
+    ) -> None:
+        super().__init__(
+            num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, vllm_config
+        )
+        kernel = _varlen_kernel()
+        if kernel is None:
+            raise RuntimeError(f"FLASH_ATTN MLA prefill backend: {self.unavailable_reason()}")
+        varlen, self.is_vllm_fa = kernel
+
+        import vllm.envs as envs
+        from vllm.platforms import current_platform
+
+        self.fa_version: int | None = None
+        if self.is_vllm_fa:
+            from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+            self.fa_version = get_flash_attn_version(head_size=self.qk_head_dim)
+        self._varlen = (
+            functools.partial(varlen, fa_version=self.fa_version)
+            if self.fa_version is not None
+            else varlen
+        )
+        capability = current_platform.get_device_capability()
+        native_diff_headdims = self.fa_version == 4 or (
+            self.fa_version == 3 and capability is not None and capability.major == 9
+        )
+        self.requires_v_padding = self.qk_head_dim != v_head_dim and not native_diff_headdims
+        # vLLM's kernel names the flag return_softmax_lse, upstream flash-attn return_attn_probs.
+        self._lse_flag = "return_softmax_lse" if self.is_vllm_fa else "return_attn_probs"
+        # Read once: the environment is fixed for the engine's life, and this is the hot path.
+        self._extra: dict[str, Any] = {"num_splits": 1} if envs.VLLM_BATCH_INVARIANT else {}
+        self._new_tokens_kwargs: dict[str, Any] = {}
+        self._chunk_kwargs: dict[int, dict[str, Any]] = {}
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        super().prepare_metadata(prefill_metadata)
+        loc = prefill_metadata.query_start_loc
+        self._new_tokens_kwargs = dict(
+            cu_seqlens_q=loc,
+            cu_seqlens_k=loc,
+            max_seqlen_q=prefill_metadata.max_query_len,
+            max_seqlen_k=prefill_metadata.max_query_len,
+            softmax_scale=self.scale,
+            causal=True,
+            **self._extra,
+        )
+        self._chunk_kwargs = {}
+
+    def _context_chunk_kwargs(self, chunk_idx: int) -> dict[str, Any]:
+        kwargs = self._chunk_kwargs.get(chunk_idx)
+        if kwargs is None:
+            m = self.prefill_metadata
+            ctx = m.chunked_context
+            if ctx is None:
+                raise RuntimeError("FLASH_ATTN: a context chunk ran without chunked_context metadata")
+            kwargs = dict(
+                cu_seqlens_q=m.query_start_loc,
+                cu_seqlens_k=ctx.cu_seq_lens[chunk_idx],
+                max_seqlen_q=m.max_query_len,
+                max_seqlen_k=ctx.max_seq_lens[chunk_idx],
+                softmax_scale=self.scale,
+                causal=False,  # the context precedes every new token
+                **self._extra,
+            )
+            self._chunk_kwargs[chunk_idx] = kwargs
+        return kwargs
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_lse: bool, kwargs: dict[str, Any]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        v_in = v
+        if self.requires_v_padding:
+            v_in = torch.nn.functional.pad(v, [0, q.shape[-1] - v.shape[-1]], value=0)
+        ret = self._varlen(q=q, k=k, v=v_in, **kwargs, **{self._lse_flag: want_lse})
+        out, lse = (ret[0], ret[1]) if isinstance(ret, tuple) else (ret, None)
+        if self.requires_v_padding:
+            # Slice here, inside the backend, and keep it dense for merge_attn_states.
+            out = out[..., : v.shape[-1]].contiguous()
+        if want_lse:
+            return out, lse
+        return out
+
+    def run_prefill_new_tokens(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self._new_tokens_kwargs:
+            self.prepare_metadata(self.prefill_metadata)
+        return self._run(q, k, v, return_softmax_lse, self._new_tokens_kwargs)
+
+    def run_prefill_context_chunk(
+        self, chunk_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(q, k, v, True, self._context_chunk_kwargs(chunk_idx))  # type: ignore[return-value]

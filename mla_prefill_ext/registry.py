@@ -1,0 +1,279 @@
+"""The MLA prefill backend registry: built-in members, overrides, new names.
+
+Registrations are mirrored into the environment variable
+``MLA_PREFILL_BACKEND_OVERRIDES`` (JSON ``{name: class_path}``). vLLM starts its
+engine core and workers as child processes (fork or spawn); both inherit the
+environment, and this module applies the mirrored registrations when it is
+imported there, so a backend registered before ``LLM(...)`` is in force in every
+process without further steps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from enum import Enum, EnumMeta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from mla_prefill_ext._logging import logger
+
+if TYPE_CHECKING:
+    from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+OVERRIDES_ENV = "MLA_PREFILL_BACKEND_OVERRIDES"
+
+_T = TypeVar("_T", bound=type)
+
+
+class _MLAPrefillBackendEnumMeta(EnumMeta):
+    """Gives ``MLAPrefillBackendEnum["X"]`` an error that lists the valid names."""
+
+    def __getitem__(cls, name: str) -> Any:
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            valid = ", ".join(cls.__members__)
+            raise ValueError(
+                f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}"
+            ) from None
+
+
+class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
+    """Every selectable MLA prefill backend, by name, with its class path."""
+
+    FLASH_ATTN = "mla_prefill_ext.backends.flash_attn.FlashAttnPrefillBackend"
+    FLASHINFER = "mla_prefill_ext.backends.flashinfer.FlashInferPrefillBackend"
+    TRTLLM_RAGGED = "mla_prefill_ext.backends.trtllm_ragged.TrtllmRaggedPrefillBackend"
+    TORCH_SDPA = "mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
+    # Placeholder for an out-of-tree backend. None (not "") so that it can never be
+    # an alias of another member, and so that "not registered" is detectable.
+    CUSTOM = None
+
+    def get_path(self) -> str:
+        """The class path in force for this member (an override wins)."""
+        with _LOCK:
+            path = _OVERRIDES.get(self.name, self.value)
+        if not path:
+            raise ValueError(
+                f"MLA prefill backend {self.name} must be registered before use: call "
+                f"register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name}, "
+                "'your.module.YourBackend') or decorate your MLAPrefillBackend subclass "
+                f"with @register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name})"
+            )
+        return path
+
+    def get_class(self) -> type[MLAPrefillBackend]:
+        """Import and return the backend class (lazily: importing is deferred to here)."""
+        return load_backend_class(self.get_path(), self.name)
+
+    def is_overridden(self) -> bool:
+        with _LOCK:
+            return self.name in _OVERRIDES
+
+    def clear_override(self) -> None:
+        """Forget a registration for this member (built-ins revert to their default)."""
+        with _LOCK:
+            _OVERRIDES.pop(self.name, None)
+            _mirror_to_environment()
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.name in _BUILTIN_NAMES
+
+
+_BUILTIN_NAMES = frozenset(MLAPrefillBackendEnum.__members__)
+_LOCK = threading.RLock()
+# name -> class path. Keyed by name, not member, so the environment round-trip
+# and dynamically added members need no second lookup table.
+_OVERRIDES: dict[str, str] = {}
+
+
+def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
+    """Import ``class_path`` and check it is an MLAPrefillBackend; errors name the path."""
+    from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+    module_name, _, attr = class_path.rpartition(".")
+    if not module_name:
+        raise ImportError(
+            f"MLA prefill backend {name}: class path '{class_path}' is not of the form "
+            "'package.module.ClassName'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        # The path may name a nested class ('mod.Outer.Inner'): walk up.
+        obj = None
+        parts = class_path.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            attr = ".".join(parts[cut:])
+            break
+        if obj is None:
+            raise ImportError(
+                f"MLA prefill backend {name}: cannot import '{class_path}': {e}"
+            ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ImportError(
+                f"MLA prefill backend {name}: '{class_path}' not found ({e})"
+            ) from e
+    if not (isinstance(obj, type) and issubclass(obj, MLAPrefillBackend)):
+        raise TypeError(
+            f"MLA prefill backend {name}: '{class_path}' is {obj!r}, not a subclass of "
+            "mla_prefill_ext.MLAPrefillBackend"
+        )
+    return obj
+
+
+def _mirror_to_environment() -> None:
+    # Children (fork or spawn) inherit os.environ; see the module docstring.
+    if _OVERRIDES:
+        os.environ[OVERRIDES_ENV] = json.dumps(_OVERRIDES, sort_keys=True)
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
+
+
+def _add_member(name: str) -> MLAPrefillBackendEnum:
+    """Add a selectable name to the enum (upstream's string registration)."""
+    if not name.isidentifier() or name.startswith("_"):
+        raise ValueError(
+            f"Invalid MLA prefill backend name '{name}': use an identifier such as "
+            "'MY_PREFILL' (letters, digits, underscores; no leading underscore)"
+        )
+    enum_cls: Any = MLAPrefillBackendEnum
+    if hasattr(enum_cls, name):
+        raise ValueError(f"MLA prefill backend name '{name}' is reserved")
+    member = object.__new__(MLAPrefillBackendEnum)
+    member._name_ = name
+    member._value_ = None  # like CUSTOM: the path lives in the overrides only
+    member.__objclass__ = MLAPrefillBackendEnum
+    enum_cls._member_map_[name] = member
+    enum_cls._member_names_.append(name)
+    type.__setattr__(MLAPrefillBackendEnum, name, member)
+    return member
+
+
+def _resolve_member(backend: MLAPrefillBackendEnum | str) -> MLAPrefillBackendEnum:
+    if isinstance(backend, MLAPrefillBackendEnum):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(
+            "register_mla_prefill_backend() takes an MLAPrefillBackendEnum member or a "
+            f"backend name string, not {type(backend).__name__}"
+        )
+    with _LOCK:
+        existing = MLAPrefillBackendEnum.__members__.get(backend)
+        if existing is not None:
+            return existing
+        return _add_member(backend)
+
+
+def _warn_if_main(name: str, class_path: str) -> None:
+    if class_path.startswith(("__main__.", "__mp_main__.")):
+        logger.warning(
+            "MLA prefill backend %s is registered as '%s', a class defined in __main__. "
+            "vLLM's spawned engine and worker processes can import it only when "
+            "__main__ is a script file that defines the class at top level (not "
+            "`python -c`, a notebook or a REPL). Move the class into an importable "
+            "module and register it by that module's path to be safe.",
+            name,
+            class_path,
+        )
+
+
+def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:
+    if not isinstance(class_path, str) or not class_path:
+        raise TypeError(
+            f"MLA prefill backend {member.name}: class_path must be a non-empty string "
+            f"'package.module.ClassName', got {class_path!r}"
+        )
+    _warn_if_main(member.name, class_path)
+    with _LOCK:
+        _OVERRIDES[member.name] = class_path
+        _mirror_to_environment()
+    _clear_selector_cache()
+    logger.info("Registered MLA prefill backend %s -> %s", member.name, class_path)
+
+
+def _clear_selector_cache() -> None:
+    # A selection cached before the registration must not outlive it.
+    from mla_prefill_ext import selector
+
+    selector.clear_cache()
+
+
+def register_mla_prefill_backend(
+    backend: MLAPrefillBackendEnum | str,
+    class_path: str | None = None,
+) -> Callable[[_T], _T]:
+    """Register (or override) the class behind an MLA prefill backend name.
+
+    ``backend`` is a member of :class:`MLAPrefillBackendEnum` (``CUSTOM`` for an
+    out-of-tree backend, or a built-in to replace it), or a string: an existing
+    member's name, or a new name that becomes selectable like the built-ins.
+
+    With ``class_path`` the registration happens now and a no-op decorator is
+    returned; without it, a decorator is returned that registers the decorated
+    class by ``f"{cls.__module__}.{cls.__qualname__}"`` and returns it unchanged.
+    The class is imported (and checked to be an :class:`MLAPrefillBackend`) when
+    it is first selected. Register before the engine starts: vLLM's child
+    processes receive the registration through the environment.
+    """
+    member = _resolve_member(backend)
+
+    if class_path is not None:
+        _set_override(member, class_path)
+        return lambda cls: cls
+
+    def decorator(cls: _T) -> _T:
+        _set_override(member, f"{cls.__module__}.{cls.__qualname__}")
+        return cls
+
+    return decorator
+
+
+def registered_backends() -> list[tuple[MLAPrefillBackendEnum, str | None]]:
+    """Every member with the class path in force (None: CUSTOM-like, unregistered)."""
+    with _LOCK:
+        return [(m, _OVERRIDES.get(m.name, m.value)) for m in MLAPrefillBackendEnum]
+
+
+def _apply_environment() -> None:
+    """Apply registrations mirrored by a parent process (runs at import)."""
+    raw = os.environ.get(OVERRIDES_ENV)
+    if not raw:
+        return
+    try:
+        payload = json.loads(raw)
+        if not isinstance(payload, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        logger.error(
+            "Ignoring %s=%r: it is not a JSON object of {name: class_path} (%s)",
+            OVERRIDES_ENV,
+            raw,
+            e,
+        )
+        return
+    with _LOCK:
+        for name, path in payload.items():
+            if not isinstance(name, str) or not isinstance(path, str):
+                logger.error("Ignoring %s entry %r: %r", OVERRIDES_ENV, name, path)
+                continue
+            try:
+                member = _resolve_member(name)
+            except ValueError as e:
+                logger.error("Ignoring %s entry %r: %s", OVERRIDES_ENV, name, e)
+                continue
+            _OVERRIDES[member.name] = path
+
+
+_apply_environment()

@@ -1,0 +1,259 @@
+"""Chooses the MLA prefill backend for a vLLM configuration on this device.
+
+Precedence, the first that is set wins:
+
+1. ``vllm_config.additional_config["mla_prefill_backend"]``
+2. the environment variable ``MLA_PREFILL_BACKEND`` (a member name, any case)
+3. vLLM 0.20's legacy flags on ``attention_config``
+   (``use_trtllm_ragged_deepseek_prefill`` -> TRTLLM_RAGGED,
+   ``disable_flashinfer_prefill=False`` -> FLASHINFER; ``use_cudnn_prefill`` only
+   warns: cuDNN prefill is gone)
+4. automatic, by compute capability (see :func:`mla_prefill_backend_priorities`).
+
+An explicit choice (1 or 2) that cannot serve raises ``ValueError`` with its
+reasons; there is no silent fallback. A legacy flag that cannot serve warns and
+falls back to automatic selection, as vLLM 0.20 itself silently did.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from mla_prefill_ext._logging import logger
+from mla_prefill_ext.backends.base import R1_MLA_DIMS
+from mla_prefill_ext.registry import MLAPrefillBackendEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import DeviceCapability
+
+    from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+BACKEND_ENV = "MLA_PREFILL_BACKEND"
+ADDITIONAL_CONFIG_KEY = "mla_prefill_backend"
+AUTO = "AUTO"
+
+
+class MLAPrefillSelectorConfig(NamedTuple):
+    """The model facts backend selection depends on, in hashable form."""
+
+    dtype: torch.dtype
+    is_r1_compatible: bool
+
+    @classmethod
+    def from_dims(
+        cls, dtype: torch.dtype, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int
+    ) -> MLAPrefillSelectorConfig:
+        dims = (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        return cls(dtype=dtype, is_r1_compatible=dims == R1_MLA_DIMS)
+
+
+class Choice(NamedTuple):
+    """A backend name the user asked for and where the request came from."""
+
+    name: str
+    source: str
+    explicit: bool  # False for legacy flags: those fall back instead of failing
+
+
+@dataclass
+class Selection:
+    """The outcome of a selection, with why every other candidate was passed over."""
+
+    backend: type[MLAPrefillBackend]
+    name: str
+    source: str
+    capability: DeviceCapability | None
+    config: MLAPrefillSelectorConfig
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+
+def is_deepseek_r1_mla_compatible(vllm_config: VllmConfig) -> bool:
+    """Whether the model has DeepSeek-R1 MLA dims (qk_nope 128, qk_rope 64, v 128)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return False
+    hf = model_config.hf_text_config
+    dims = tuple(getattr(hf, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    return dims == R1_MLA_DIMS
+
+
+def selector_config_for(vllm_config: VllmConfig) -> MLAPrefillSelectorConfig:
+    model_config = getattr(vllm_config, "model_config", None)
+    dtype = model_config.dtype if model_config is not None else torch.get_default_dtype()
+    return MLAPrefillSelectorConfig(dtype=dtype, is_r1_compatible=is_deepseek_r1_mla_compatible(vllm_config))
+
+
+def mla_prefill_backend_priorities(
+    capability: DeviceCapability | None,
+) -> list[MLAPrefillBackendEnum]:
+    """Automatic selection order for a device (first valid wins)."""
+    E = MLAPrefillBackendEnum
+    if capability is None:  # CPU or a platform that reports no capability
+        order = []
+    elif capability.major == 10:
+        order = [E.FLASH_ATTN, E.TRTLLM_RAGGED, E.FLASHINFER]
+    elif capability.major == 9:
+        order = [E.FLASH_ATTN, E.FLASHINFER]
+    else:
+        order = [E.FLASH_ATTN]
+    # The portable backend closes every list: slow on a GPU, but it always runs.
+    return [*order, E.TORCH_SDPA]
+
+
+def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
+    """The user's choice in force, by precedence; None means automatic."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    value = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    if value:
+        if str(value).upper() == AUTO:
+            return None
+        return Choice(str(value).upper(), f"additional_config['{ADDITIONAL_CONFIG_KEY}']", True)
+
+    value = os.environ.get(BACKEND_ENV, "").strip()
+    if value:
+        if value.upper() == AUTO:
+            return None
+        return Choice(value.upper(), BACKEND_ENV, True)
+
+    attention_config = getattr(vllm_config, "attention_config", None)
+    if attention_config is None:
+        return None
+    if getattr(attention_config, "use_cudnn_prefill", False):
+        _warn_cudnn_once()
+    if getattr(attention_config, "use_trtllm_ragged_deepseek_prefill", False):
+        return Choice(
+            "TRTLLM_RAGGED", "legacy attention_config.use_trtllm_ragged_deepseek_prefill", False
+        )
+    if getattr(attention_config, "disable_flashinfer_prefill", True) is False:
+        return Choice("FLASHINFER", "legacy attention_config.disable_flashinfer_prefill=False", False)
+    return None
+
+
+@lru_cache(maxsize=1)
+def _warn_cudnn_once() -> None:
+    logger.warning(
+        "attention_config.use_cudnn_prefill is deprecated and ignored: the cuDNN MLA "
+        "prefill backend was removed (as in later vLLM). Selecting the MLA prefill "
+        "backend automatically; set %s to choose one.",
+        BACKEND_ENV,
+    )
+
+
+def _describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
+    cap = "no GPU" if capability is None else f"compute capability {capability.major}.{capability.minor}"
+    dtype = str(config.dtype).removeprefix("torch.")
+    return f"{cap}, dtype {dtype}, DeepSeek-R1 MLA dims: {'yes' if config.is_r1_compatible else 'no'}"
+
+
+def check_backend(
+    member: MLAPrefillBackendEnum,
+    capability: DeviceCapability | None,
+    config: MLAPrefillSelectorConfig,
+) -> tuple[type[MLAPrefillBackend] | None, list[str]]:
+    """Load a member's class and validate it: (class or None, reasons it cannot serve)."""
+    try:
+        cls = member.get_class()
+    except (ImportError, TypeError, ValueError) as e:
+        return None, [str(e)]
+    return cls, cls.validate_configuration(capability, config)
+
+
+def select(
+    capability: DeviceCapability | None,
+    config: MLAPrefillSelectorConfig,
+    choice: Choice | None = None,
+) -> Selection:
+    """Choose a backend (uncached). Raises ValueError when nothing can serve."""
+    if choice is not None:
+        member = MLAPrefillBackendEnum[choice.name]  # ValueError lists valid names
+        cls, reasons = check_backend(member, capability, config)
+        if not reasons and cls is not None:
+            return Selection(cls, member.name, choice.source, capability, config)
+        message = (
+            f"MLA prefill backend {member.name} (from {choice.source}) cannot serve "
+            f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
+        )
+        if choice.explicit:
+            raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
+        logger.warning("%s. Falling back to automatic selection.", message)
+        auto = select(capability, config)
+        auto.rejected = {member.name: reasons, **auto.rejected}
+        return auto
+
+    rejected: dict[str, list[str]] = {}
+    for member in mla_prefill_backend_priorities(capability):
+        cls, reasons = check_backend(member, capability, config)
+        if not reasons and cls is not None:
+            return Selection(cls, member.name, "automatic", capability, config, rejected)
+        rejected[member.name] = reasons
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    raise ValueError(
+        f"No MLA prefill backend can serve this configuration ({_describe(capability, config)}). "
+        f"Reasons: {detail}"
+    )
+
+
+@lru_cache(maxsize=None)
+def _select_cached(
+    capability: DeviceCapability | None,
+    config: MLAPrefillSelectorConfig,
+    choice: Choice | None,
+) -> Selection:
+    selection = select(capability, config, choice)
+    where = "auto-selected" if selection.source == "automatic" else f"from {selection.source}"
+    logger.info(
+        "Using %s MLA prefill backend (%s; %s).",
+        selection.name,
+        where,
+        _describe(capability, config),
+    )
+    if selection.source == "automatic" and selection.name == "TORCH_SDPA" and capability is not None:
+        logger.warning(
+            "TORCH_SDPA was chosen automatically on a GPU: it is the portable, slow MLA "
+            "prefill path. Faster backends were passed over: %s",
+            "; ".join(f"{n}: {', '.join(r)}" for n, r in selection.rejected.items()),
+        )
+    return selection
+
+
+def current_device_capability() -> DeviceCapability | None:
+    """The device capability vLLM reports now (None on CPU or an unknown platform)."""
+    from vllm import platforms
+
+    try:
+        return platforms.current_platform.get_device_capability()
+    except Exception:  # a platform without device facts
+        return None
+
+
+def selection_for(vllm_config: VllmConfig) -> Selection:
+    """The cached :class:`Selection` for this configuration on this device."""
+    return _select_cached(
+        current_device_capability(), selector_config_for(vllm_config), requested_choice(vllm_config)
+    )
+
+
+def get_mla_prefill_backend(vllm_config: VllmConfig) -> type[MLAPrefillBackend]:
+    """The MLA prefill backend class for this configuration on this device."""
+    return selection_for(vllm_config).backend
+
+
+def clear_cache() -> None:
+    """Forget cached selections (after a registration, or in tests)."""
+    _select_cached.cache_clear()
+
+
+def describe_requested(vllm_config: VllmConfig | None) -> dict[str, Any]:
+    """What the configuration in force asks for (for diagnostics)."""
+    choice = requested_choice(vllm_config)
+    return {
+        "requested": choice.name if choice else AUTO,
+        "source": choice.source if choice else "automatic",
+        BACKEND_ENV: os.environ.get(BACKEND_ENV),
+    }
