@@ -1,0 +1,147 @@
+"""Synthetic MLA prefill problems built on vLLM's own prefill metadata classes.
+
+The ``check`` command, the tests, the GPU suite and the benchmark run backends
+on these: new tokens of several requests, optionally with cached context split
+into chunks, exactly as vLLM's MLA metadata builder would describe them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_prefill_ext.reference import merge_attn_states_any, reference_attention
+
+
+def deepseek_yarn_scale(qk_head_dim: int = 192, factor: float = 40.0, mscale_all_dim: float = 0.707) -> float:
+    """DeepSeek-V2-Lite's softmax scale: qk_head_dim**-0.5 times the YaRN mscale squared."""
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return qk_head_dim**-0.5 * mscale * mscale
+
+
+@dataclass
+class PrefillProblem:
+    """New tokens ``q/k/v`` plus per-chunk context ``k/v``, and vLLM's metadata for them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    chunk_k: list[torch.Tensor]
+    chunk_v: list[torch.Tensor]
+    metadata: Any
+    new_lens: list[int]
+    context_lens: list[int]
+    full_k: list[torch.Tensor]  # per request: context then new tokens
+    full_v: list[torch.Tensor]
+
+    @property
+    def has_context(self) -> bool:
+        return bool(self.chunk_k)
+
+    def reference(self, scale: float) -> torch.Tensor:
+        """float64 attention of each request's new tokens over its whole sequence."""
+        outs, start = [], 0
+        for i, n in enumerate(self.new_lens):
+            q = self.q[start : start + n]
+            out, _ = reference_attention(q, self.full_k[i], self.full_v[i], scale, causal=True)
+            outs.append(out)
+            start += n
+        return torch.cat(outs)
+
+    def flops(self, causal_new_tokens: bool = True) -> float:
+        """Attention FLOPs (QK^T and PV) the backend performs, counting the causal half."""
+        d_qk, d_v, heads = self.q.shape[-1], self.v.shape[-1], self.q.shape[1]
+        total = 0.0
+        for n, c in zip(self.new_lens, self.context_lens, strict=True):
+            pairs = n * (n + 1) / 2 if causal_new_tokens else n * n
+            pairs += n * c
+            total += 2.0 * heads * pairs * (d_qk + d_v)
+        return total
+
+
+def make_problem(
+    new_lens: list[int],
+    context_lens: list[int] | None = None,
+    num_chunks: int = 2,
+    num_heads: int = 16,
+    qk_nope_head_dim: int = 128,
+    qk_rope_head_dim: int = 64,
+    v_head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> PrefillProblem:
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+
+    context_lens = context_lens or [0] * len(new_lens)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    d_qk = qk_nope_head_dim + qk_rope_head_dim
+
+    def rand(n: int, d: int) -> torch.Tensor:
+        return torch.randn(n, num_heads, d, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    full_k = [rand(c + n, d_qk) for n, c in zip(new_lens, context_lens, strict=True)]
+    full_v = [rand(c + n, v_head_dim) for n, c in zip(new_lens, context_lens, strict=True)]
+    q = rand(sum(new_lens), d_qk)
+    k = torch.cat([fk[c:] for fk, c in zip(full_k, context_lens, strict=True)])
+    v = torch.cat([fv[c:] for fv, c in zip(full_v, context_lens, strict=True)])
+    query_start_loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    chunked = None
+    chunk_k: list[torch.Tensor] = []
+    chunk_v: list[torch.Tensor] = []
+    if max(context_lens) > 0:
+        cs = math.ceil(max(context_lens) / num_chunks)
+        starts = torch.arange(num_chunks, dtype=torch.int32).unsqueeze(1) * cs
+        starts = starts.expand(-1, len(new_lens))
+        ends = torch.minimum(torch.tensor(context_lens, dtype=torch.int32).unsqueeze(0), starts + cs)
+        seq_lens = (ends - starts).clamp(min=0).to(torch.int32)
+        cu = torch.zeros(num_chunks, len(new_lens) + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens, dim=1, out=cu[:, 1:])
+        for i in range(num_chunks):
+            chunk_k.append(
+                torch.cat([fk[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fk in enumerate(full_k)])
+            )
+            chunk_v.append(
+                torch.cat([fv[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fv in enumerate(full_v)])
+            )
+        totals = cu[:, -1]
+        chunked = MLACommonPrefillMetadata.ChunkedContextMetadata(
+            cu_seq_lens=cu.to(device),
+            starts=starts.contiguous().to(device),
+            seq_tot=totals.tolist(),
+            max_seq_lens=seq_lens.max(dim=1).values.tolist(),
+            seq_lens=seq_lens,
+            workspace=torch.empty(0, device=device),
+            token_to_seq=torch.empty(0, dtype=torch.int32, device=device),
+            chunk_total_token=totals.tolist(),
+        )
+    metadata = MLACommonPrefillMetadata(
+        block_table=torch.empty(0, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        max_query_len=max(new_lens),
+        chunked_context=chunked,
+        q_data_type=dtype,
+        output_dtype=dtype,
+    )
+    return PrefillProblem(q, k, v, chunk_k, chunk_v, metadata, list(new_lens), list(context_lens), full_k, full_v)
+
+
+def run_backend(backend: Any, problem: PrefillProblem) -> torch.Tensor:
+    """One MLA prefill step as vLLM's ``forward_mha`` runs it: new tokens, chunks, merges."""
+    backend.prepare_metadata(problem.metadata)
+    if not problem.has_context:
+        return backend.run_prefill_new_tokens(problem.q, problem.k, problem.v, False)
+    suffix, suffix_lse = backend.run_prefill_new_tokens(problem.q, problem.k, problem.v, True)
+    ctx_out = ctx_lse = None
+    for i, (kc, vc) in enumerate(zip(problem.chunk_k, problem.chunk_v, strict=True)):
+        out, lse = backend.run_prefill_context_chunk(i, problem.q, kc, vc)
+        if ctx_out is None:
+            ctx_out, ctx_lse = out, lse
+        else:
+            ctx_out, ctx_lse = merge_attn_states_any(ctx_out, ctx_lse, out, lse)
+    merged, _ = merge_attn_states_any(ctx_out, ctx_lse, suffix, suffix_lse)
+    return merged

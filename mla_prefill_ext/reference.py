@@ -1,0 +1,82 @@
+"""A float64 reference for MLA prefill attention, and the LSE merge rule.
+
+Used by the ``check`` command, the tests and the GPU verification suite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence in float64: q [Lq,H,D], k [Lk,H,D], v [Lk,H,Dv] -> out [Lq,H,Dv], lse [H,Lq].
+
+    Causal masking is aligned bottom-right (query i sees keys up to Lk - Lq + i),
+    which is how new tokens see their cached context plus themselves.
+    """
+    qd, kd, vd = (t.to(torch.float64).transpose(0, 1) for t in (q, k, v))
+    s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    lq, lk = s.shape[-2], s.shape[-1]
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(lk - lq + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.softmax(s, dim=-1), vd)
+    return out.transpose(0, 1), lse
+
+
+def merge_attn_states_torch(
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``merge_attn_states`` rule in torch (its kernels need a GPU).
+
+    Outputs ``[tokens, heads, dim]``, LSEs ``[heads, tokens]`` in natural log; an
+    infinite LSE (a part with no keys) counts as -inf, as vLLM's kernel does.
+    """
+    p = torch.where(torch.isinf(prefix_lse), float("-inf"), prefix_lse.float())
+    s = torch.where(torch.isinf(suffix_lse), float("-inf"), suffix_lse.float())
+    m = torch.maximum(p, s)
+    empty = torch.isinf(m)  # neither part has keys: vLLM's kernel emits the prefix
+    m = torch.where(empty, 0.0, m)
+    pw, sw = torch.exp(p - m), torch.exp(s - m)
+    total = torch.where(empty, 1.0, pw + sw)
+    pw = torch.where(empty, 1.0, pw)
+    out = (
+        prefix_output.float() * (pw / total).transpose(0, 1).unsqueeze(-1)
+        + suffix_output.float() * (sw / total).transpose(0, 1).unsqueeze(-1)
+    )
+    lse = torch.where(empty, float("-inf"), torch.log(total) + m)
+    return out.to(prefix_output.dtype), lse
+
+
+def merge_attn_states_any(
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own ``merge_attn_states`` on CUDA, the torch rule elsewhere."""
+    if prefix_output.is_cuda:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+        out = torch.empty_like(prefix_output)
+        lse = torch.empty_like(prefix_lse)
+        merge_attn_states(
+            output=out,
+            prefix_output=prefix_output,
+            prefix_lse=prefix_lse,
+            suffix_output=suffix_output,
+            suffix_lse=suffix_lse,
+            output_lse=lse,
+        )
+        return out, lse
+    return merge_attn_states_torch(prefix_output, prefix_lse, suffix_output, suffix_lse)
