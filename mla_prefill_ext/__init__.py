@@ -28,7 +28,15 @@ _LAZY = {
     "MLAPrefillSelectorConfig": "mla_prefill_ext.selector",
 }
 
-__all__ = ["activate", "deactivate", *_LAZY]
+__all__ = [
+    "MLAPrefillBackend",
+    "MLAPrefillBackendEnum",
+    "MLAPrefillSelectorConfig",
+    "activate",
+    "deactivate",
+    "get_mla_prefill_backend",
+    "register_mla_prefill_backend",
+]
 
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend

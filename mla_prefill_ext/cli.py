@@ -102,11 +102,16 @@ def cmd_info(args: argparse.Namespace) -> int:
             name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, activation.DISABLE_ENV)
         },
     }
+    shim_state = (
+        f"disabled by {activation.DISABLE_ENV}"
+        if payload["disabled_by_env"]
+        else ("active" if payload["active"] else "inactive")
+    )
     lines = [
         f"mla-prefill-ext {payload['package_version']}",
         f"vLLM {vllm_version}: {'supported' if payload['vllm_supported'] else 'NOT supported'} "
         f"(supported: vllm{SUPPORTED_VLLM})",
-        f"shim: {'disabled by ' + activation.DISABLE_ENV if payload['disabled_by_env'] else ('active' if payload['active'] else 'inactive')}, "
+        f"shim: {shim_state}, "
         f"vLLM MLA layer {'patched' if st.instrumented else 'NOT patched'}"
         + (f" ({st.skipped_reason})" if st.skipped_reason else ""),
         "patch targets:",

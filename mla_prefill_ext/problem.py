@@ -103,10 +103,14 @@ def make_problem(
         torch.cumsum(seq_lens, dim=1, out=cu[:, 1:])
         for i in range(num_chunks):
             chunk_k.append(
-                torch.cat([fk[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fk in enumerate(full_k)])
+                torch.cat(
+                    [fk[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fk in enumerate(full_k)]
+                )
             )
             chunk_v.append(
-                torch.cat([fv[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fv in enumerate(full_v)])
+                torch.cat(
+                    [fv[starts[i, j] : ends[i, j].clamp(min=starts[i, j])] for j, fv in enumerate(full_v)]
+                )
             )
         totals = cu[:, -1]
         chunked = MLACommonPrefillMetadata.ChunkedContextMetadata(
@@ -127,7 +131,9 @@ def make_problem(
         q_data_type=dtype,
         output_dtype=dtype,
     )
-    return PrefillProblem(q, k, v, chunk_k, chunk_v, metadata, list(new_lens), list(context_lens), full_k, full_v)
+    return PrefillProblem(
+        q, k, v, chunk_k, chunk_v, metadata, list(new_lens), list(context_lens), full_k, full_v
+    )
 
 
 def run_backend(backend: Any, problem: PrefillProblem) -> torch.Tensor:

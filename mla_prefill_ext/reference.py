@@ -50,10 +50,9 @@ def merge_attn_states_torch(
     pw, sw = torch.exp(p - m), torch.exp(s - m)
     total = torch.where(empty, 1.0, pw + sw)
     pw = torch.where(empty, 1.0, pw)
-    out = (
-        prefix_output.float() * (pw / total).transpose(0, 1).unsqueeze(-1)
-        + suffix_output.float() * (sw / total).transpose(0, 1).unsqueeze(-1)
-    )
+    out = prefix_output.float() * (pw / total).transpose(0, 1).unsqueeze(-1) + suffix_output.float() * (
+        sw / total
+    ).transpose(0, 1).unsqueeze(-1)
     lse = torch.where(empty, float("-inf"), torch.log(total) + m)
     return out.to(prefix_output.dtype), lse
 

@@ -36,9 +36,7 @@ class _MLAPrefillBackendEnumMeta(EnumMeta):
             return super().__getitem__(name)
         except KeyError:
             valid = ", ".join(cls.__members__)
-            raise ValueError(
-                f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}"
-            ) from None
+            raise ValueError(f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}") from None
 
 
 class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
@@ -115,16 +113,12 @@ def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
             attr = ".".join(parts[cut:])
             break
         if obj is None:
-            raise ImportError(
-                f"MLA prefill backend {name}: cannot import '{class_path}': {e}"
-            ) from e
+            raise ImportError(f"MLA prefill backend {name}: cannot import '{class_path}': {e}") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise ImportError(
-                f"MLA prefill backend {name}: '{class_path}' not found ({e})"
-            ) from e
+            raise ImportError(f"MLA prefill backend {name}: '{class_path}' not found ({e})") from e
     if not (isinstance(obj, type) and issubclass(obj, MLAPrefillBackend)):
         raise TypeError(
             f"MLA prefill backend {name}: '{class_path}' is {obj!r}, not a subclass of "

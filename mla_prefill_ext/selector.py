@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -127,9 +127,7 @@ def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
     if getattr(attention_config, "use_cudnn_prefill", False):
         _warn_cudnn_once()
     if getattr(attention_config, "use_trtllm_ragged_deepseek_prefill", False):
-        return Choice(
-            "TRTLLM_RAGGED", "legacy attention_config.use_trtllm_ragged_deepseek_prefill", False
-        )
+        return Choice("TRTLLM_RAGGED", "legacy attention_config.use_trtllm_ragged_deepseek_prefill", False)
     if getattr(attention_config, "disable_flashinfer_prefill", True) is False:
         return Choice("FLASHINFER", "legacy attention_config.disable_flashinfer_prefill=False", False)
     return None
@@ -199,7 +197,7 @@ def select(
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _select_cached(
     capability: DeviceCapability | None,
     config: MLAPrefillSelectorConfig,

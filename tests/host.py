@@ -39,7 +39,7 @@ TINY_DEEPSEEK_V2 = {
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 163840,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000,
     "torch_dtype": "bfloat16",
@@ -58,10 +58,10 @@ TINY_DEEPSEEK_V2 = {
 
 YARN_ROPE_SCALING = {
     "type": "yarn",
-    "factor": 40,
+    "factor": 40.0,
     "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
     "mscale": 1.0,
     "mscale_all_dim": 1.0,
 }
@@ -124,7 +124,9 @@ def gpu_view(capability: tuple[int, int] | None = (9, 0)) -> Iterator[None]:
     cap = None if capability is None else DeviceCapability(*capability)
     with contextlib.ExitStack() as stack:
         stack.enter_context(
-            mock.patch.object(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: cap))
+            mock.patch.object(
+                type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: cap)
+            )
         )
         stack.enter_context(
             mock.patch(
@@ -133,7 +135,9 @@ def gpu_view(capability: tuple[int, int] | None = (9, 0)) -> Iterator[None]:
             )
         )
         stack.enter_context(
-            mock.patch.object(type(current_platform), "num_compute_units", classmethod(lambda cls, device_id=0: 132))
+            mock.patch.object(
+                type(current_platform), "num_compute_units", classmethod(lambda cls, device_id=0: 132)
+            )
         )
         yield
 

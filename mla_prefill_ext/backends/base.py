@@ -100,8 +100,7 @@ class MLAPrefillBackend(ABC):
         if not cls.supports_dtype(selector_config.dtype):
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
             reasons.append(
-                f"dtype {str(selector_config.dtype).removeprefix('torch.')} not supported "
-                f"(supports {names})"
+                f"dtype {str(selector_config.dtype).removeprefix('torch.')} not supported (supports {names})"
             )
         if not cls.is_available():
             reasons.append(cls.unavailable_reason())
@@ -140,8 +139,7 @@ class MLAPrefillBackend(ABC):
         """The prefill metadata of the current step (set by :meth:`prepare_metadata`)."""
         if self._prefill_metadata is None:
             raise RuntimeError(
-                f"{type(self).__name__}: prepare_metadata() was not called before the "
-                "prefill ran"
+                f"{type(self).__name__}: prepare_metadata() was not called before the prefill ran"
             )
         return self._prefill_metadata
 

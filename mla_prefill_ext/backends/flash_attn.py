@@ -88,9 +88,7 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
 
             self.fa_version = get_flash_attn_version(head_size=self.qk_head_dim)
         self._varlen = (
-            functools.partial(varlen, fa_version=self.fa_version)
-            if self.fa_version is not None
-            else varlen
+            functools.partial(varlen, fa_version=self.fa_version) if self.fa_version is not None else varlen
         )
         capability = current_platform.get_device_capability()
         native_diff_headdims = self.fa_version == 4 or (

@@ -153,9 +153,7 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
             for name, params in per_layer.items():
                 distinct.setdefault(GlobalHyperparameters(*params), []).append(name)
             if len(distinct) > 1:
-                detail = "; ".join(
-                    f"{p} in {', '.join(names)}" for p, names in distinct.items()
-                )
+                detail = "; ".join(f"{p} in {', '.join(names)}" for p, names in distinct.items())
                 raise ValueError(
                     "FLASHINFER MLA prefill plans one (sm_scale, window_left, "
                     "logits_soft_cap) for all MLA layers, but the layers disagree: "
@@ -189,9 +187,7 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
         )
         shared.main.plan(qo_indptr=qo_indptr, kv_indptr=qo_indptr.clone(), causal=True, **common)
         for i in range(num_chunks):
-            shared.chunks[i].plan(
-                qo_indptr=qo_indptr, kv_indptr=ctx.cu_seq_lens[i], causal=False, **common
-            )
+            shared.chunks[i].plan(qo_indptr=qo_indptr, kv_indptr=ctx.cu_seq_lens[i], causal=False, **common)
         shared.planned_for = prefill_metadata
 
     @staticmethod

@@ -22,13 +22,9 @@ def _flash_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's flash kernel, which also returns the LSE. q/k/v: [1, H, L, D], equal D."""
     if q.device.type == "cuda":
-        ret = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
+        ret = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
-        ret = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
+        ret = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return ret[0], ret[1]
 
 

@@ -167,7 +167,7 @@ def uninstrument(module: ModuleType) -> None:
                 wrapt.unwrap_object(module, path, handle, missing_ok=True)
             except wrapt.WrapperNotOutermostError as e:
                 logger.warning("mla-prefill-ext could not remove its wrapper on %s: %s", path, e)
-        for name in PREFILL_CHOICE_FUNCTIONS + (QUERY_QUANT_FUNCTION,):
+        for name in (*PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION):
             cache_clear = getattr(getattr(module, name, None), "cache_clear", None)
             if cache_clear is not None:
                 cache_clear()  # answers cached by the stock functions must not leak across

@@ -158,6 +158,14 @@ def inspect_targets(module: ModuleType) -> list[TargetStatus]:
         except AttributeError:
             statuses.append(TargetStatus(target.path, target.wrapped, "not found"))
             continue
+        owner_path, _, name = target.path.rpartition(".")
+        owner = resolve(module, owner_path) if owner_path else None
+        if isinstance(owner, type) and name not in owner.__dict__:
+            # Inherited from a base class: not the code the patch was written for.
+            statuses.append(
+                TargetStatus(target.path, target.wrapped, f"is no longer defined on {owner_path}")
+            )
+            continue
         # Look through a wrapper someone (us included) already put on it.
         obj = getattr(obj, "__wrapped__", obj)
         statuses.append(TargetStatus(target.path, target.wrapped, target.check(obj)))

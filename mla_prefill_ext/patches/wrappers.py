@@ -31,9 +31,7 @@ def prefill_is_ours(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool
     return False
 
 
-def supports_prefill_query_quantization(
-    wrapped: Any, instance: Any, args: Any, kwargs: Any
-) -> bool:
+def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool:
     """FP8 prefill queries: only where the selected backend takes them (and on SM100)."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.platforms import current_platform

@@ -1,0 +1,67 @@
+"""Shared fixtures. Tests run against the real vLLM 0.20.2 installed beside the package."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+# Quiet vLLM's import-time chatter; the add-on's own lines are WARNING and up in these tests.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import host
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host: see docs/gpu-verification.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shim() -> Any:
+    """The add-on activated in this process and vLLM's MLA module patched."""
+    import mla_prefill_ext
+    from mla_prefill_ext import patches
+
+    mla_prefill_ext.activate()
+    module = importlib.import_module(patches.MLA_MODULE)
+    assert patches.is_instrumented(), patches.state().skipped_reason
+    return module
+
+
+@pytest.fixture
+def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """No backend choice in the environment and no cached selection, before and after."""
+    from mla_prefill_ext import selector
+
+    monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
+    selector.clear_cache()
+    yield monkeypatch
+    selector.clear_cache()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "plain": host.write_model_dir(root / "tiny-deepseek-v2"),
+        "yarn": host.write_model_dir(root / "tiny-deepseek-v3-yarn", rope_scaling=host.YARN_ROPE_SCALING),
+        "non_r1": host.write_model_dir(
+            root / "tiny-mla-non-r1", qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64
+        ),
+    }

@@ -1,0 +1,232 @@
+"""Activation through vLLM's plugin loader, the all-or-none patch, and its symmetric removal."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+import wrapt
+
+import mla_prefill_ext
+from mla_prefill_ext import activation, patches
+from mla_prefill_ext.patches.targets import TARGETS
+
+WRAPPED = [t.path for t in TARGETS if t.wrapped]
+
+
+def resolve(module: Any, path: str) -> Any:
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def raw(module: Any, path: str) -> Any:
+    """The attribute as stored on its owner (a wrapper shows as FunctionWrapper)."""
+    owner_path, _, name = path.rpartition(".")
+    owner = resolve(module, owner_path) if owner_path else module
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
+    for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND_OVERRIDES"):
+        if name not in env:
+            full_env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code).strip()],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def mla_module() -> Iterator[Any]:
+    """The patched module; the patch is restored whatever the test did to it."""
+    mla_prefill_ext.activate()
+    module = importlib.import_module(patches.MLA_MODULE)
+    yield module
+    mla_prefill_ext.activate()
+    assert patches.is_instrumented()
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(level=logging.DEBUG)
+    logger = logging.getLogger("vllm.mla_prefill_ext")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+def test_entry_point_is_installed():
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("mla_prefill_ext") == "mla_prefill_ext:activate"
+
+
+def test_wrappers_on_the_real_classes(mla_module):
+    for path in WRAPPED:
+        assert isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
+
+
+def test_deactivate_removes_every_wrapper_and_activate_restores(mla_module):
+    originals = {path: raw(mla_module, path).__wrapped__ for path in WRAPPED}
+    mla_prefill_ext.deactivate()
+    assert not patches.is_instrumented() and not activation.is_active()
+    for path in WRAPPED:
+        assert raw(mla_module, path) is originals[path], path
+    mla_prefill_ext.deactivate()  # idempotent
+    mla_prefill_ext.activate()
+    for path in WRAPPED:
+        assert isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
+
+
+def test_activating_twice_wraps_once(mla_module):
+    mla_prefill_ext.activate()
+    mla_prefill_ext.activate()
+    patches.instrument(mla_module)
+    for path in WRAPPED:
+        outer = raw(mla_module, path)
+        assert not isinstance(outer.__wrapped__, wrapt.FunctionWrapper), path
+
+
+def test_missing_target_patches_nothing_and_says_why(mla_module, log_lines, monkeypatch):
+    monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
+    mla_prefill_ext.deactivate()
+    saved = mla_module.use_cudnn_prefill
+    del mla_module.use_cudnn_prefill  # a vLLM that changed under us
+    try:
+        mla_prefill_ext.activate()
+        assert not patches.is_instrumented()
+        for path in WRAPPED:
+            if path != "use_cudnn_prefill":
+                assert not isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
+        assert any("not patching vLLM" in m and "use_cudnn_prefill not found" in m for m in log_lines)
+        assert "use_cudnn_prefill not found" in patches.state().skipped_reason
+    finally:
+        mla_module.use_cudnn_prefill = saved
+        mla_prefill_ext.deactivate()
+
+
+def test_changed_target_shape_patches_nothing(mla_module, monkeypatch):
+    mla_prefill_ext.deactivate()
+    cls = mla_module.MLACommonImpl
+    original = cls.forward_mha
+
+    def forward_mha(self, *args: Any, **kwargs: Any) -> None:  # no longer calls the prefill hook
+        return None
+
+    monkeypatch.setattr(cls, "forward_mha", forward_mha)
+    mla_prefill_ext.activate()
+    assert not patches.is_instrumented()
+    assert "MLACommonImpl.forward_mha no longer refers to" in patches.state().skipped_reason
+    monkeypatch.setattr(cls, "forward_mha", original)
+    mla_prefill_ext.deactivate()
+
+
+def test_missing_target_with_explicit_choice_raises(mla_module, monkeypatch):
+    monkeypatch.setenv("MLA_PREFILL_BACKEND", "FLASH_ATTN")
+    mla_prefill_ext.deactivate()
+    saved = mla_module.MLACommonMetadataBuilder.build
+    monkeypatch.delattr(mla_module.MLACommonMetadataBuilder, "build")
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN.*build is no longer defined"
+        ):
+            mla_prefill_ext.activate()
+        assert not patches.is_instrumented()
+    finally:
+        monkeypatch.setattr(mla_module.MLACommonMetadataBuilder, "build", saved)
+        mla_prefill_ext.deactivate()
+        monkeypatch.delenv("MLA_PREFILL_BACKEND")
+
+
+def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, log_lines):
+    from mla_prefill_ext.patches import version
+
+    monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
+    mla_prefill_ext.deactivate()
+    monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
+    mla_prefill_ext.activate()
+    assert not activation.is_active() and not patches.is_instrumented()
+    assert any("vLLM 0.21.0 is not supported" in m for m in log_lines)
+    monkeypatch.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    with pytest.raises(RuntimeError, match=r"cannot honour MLA_PREFILL_BACKEND=TORCH_SDPA.*0\.21\.0"):
+        mla_prefill_ext.activate()
+    monkeypatch.delenv("MLA_PREFILL_BACKEND")
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize(
+    "version,supported",
+    [
+        ("0.20.0", True),
+        ("0.20.2", True),
+        ("0.20.3.dev4+gabc", True),
+        ("0.19.1", False),
+        ("0.21.0rc1", False),
+        ("0.21.0", False),
+    ],
+)
+def test_version_gate(version, supported):
+    from mla_prefill_ext.patches.version import unsupported_reason
+
+    assert (unsupported_reason(version) is None) is supported
+
+
+# Import order and vLLM's own plugin loader need a fresh interpreter each.
+LOAD_PLUGINS = "import vllm.plugins; vllm.plugins.load_general_plugins()"
+IMPORT_MLA = "import importlib; importlib.import_module('vllm.model_executor.layers.attention.mla_attention')"
+REPORT = (
+    "import importlib, wrapt; from mla_prefill_ext import patches; "
+    "m = importlib.import_module(patches.MLA_MODULE); "
+    "print('PATCHED', patches.is_instrumented(), "
+    "isinstance(m.MLAAttention.__dict__['__init__'], wrapt.FunctionWrapper))"
+)
+
+
+def patch_report(*steps: str, **env: str) -> str:
+    proc = run_python("\n".join([*steps, REPORT]), **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_vllm_plugin_loader_activates_before_import():
+    assert "PATCHED True True" in patch_report(LOAD_PLUGINS)
+
+
+def test_activation_after_the_module_was_imported():
+    assert "PATCHED True True" in patch_report(IMPORT_MLA, LOAD_PLUGINS)
+
+
+def test_disable_env_keeps_it_inactive():
+    assert "PATCHED False False" in patch_report(LOAD_PLUGINS, MLA_PREFILL_EXT_DISABLE="1")
+
+
+def test_stale_vllm_prefill_announcement_is_filtered(mla_module):
+    logger = logging.getLogger(patches.MLA_MODULE)
+
+    def passes(msg: str) -> bool:
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 1, msg, (), None)
+        return all(f.filter(record) for f in logger.filters)
+
+    assert not passes("Using FlashAttention prefill for MLA")
+    assert passes("FP8 prefill attention enabled: query data type is FP8")
+    mla_prefill_ext.deactivate()
+    assert passes("Using FlashAttention prefill for MLA")
