@@ -41,12 +41,12 @@ class PrefillProblem:
     def has_context(self) -> bool:
         return bool(self.chunk_k)
 
-    def reference(self, scale: float) -> torch.Tensor:
-        """float64 attention of each request's new tokens over its whole sequence."""
+    def reference(self, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Attention of each request's new tokens over its whole sequence, in ``dtype``."""
         outs, start = [], 0
         for i, n in enumerate(self.new_lens):
             q = self.q[start : start + n]
-            out, _ = reference_attention(q, self.full_k[i], self.full_v[i], scale, causal=True)
+            out, _ = reference_attention(q, self.full_k[i], self.full_v[i], scale, causal=True, dtype=dtype)
             outs.append(out)
             start += n
         return torch.cat(outs)

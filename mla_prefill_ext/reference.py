@@ -14,21 +14,29 @@ def reference_attention(
     v: torch.Tensor,
     scale: float,
     causal: bool,
+    dtype: torch.dtype = torch.float64,
+    heads_per_step: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence in float64: q [Lq,H,D], k [Lk,H,D], v [Lk,H,Dv] -> out [Lq,H,Dv], lse [H,Lq].
+    """One sequence: q [Lq,H,D], k [Lk,H,D], v [Lk,H,Dv] -> out [Lq,H,Dv], lse [H,Lq] in ``dtype``.
 
     Causal masking is aligned bottom-right (query i sees keys up to Lk - Lq + i),
-    which is how new tokens see their cached context plus themselves.
+    which is how new tokens see their cached context plus themselves. Heads are
+    processed a few at a time to bound the memory of the score matrix.
     """
-    qd, kd, vd = (t.to(torch.float64).transpose(0, 1) for t in (q, k, v))
-    s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-    lq, lk = s.shape[-2], s.shape[-1]
+    lq, lk, heads = q.shape[0], k.shape[0], q.shape[1]
+    mask = None
     if causal:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(lk - lq + 1)
-        s = s.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.softmax(s, dim=-1), vd)
-    return out.transpose(0, 1), lse
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+    outs, lses = [], []
+    for h in range(0, heads, heads_per_step):
+        hs = slice(h, h + heads_per_step)
+        qd, kd, vd = (t[:, hs].to(dtype).transpose(0, 1) for t in (q, k, v))
+        s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        lses.append(torch.logsumexp(s, dim=-1))
+        outs.append(torch.matmul(torch.softmax(s, dim=-1), vd))
+    return torch.cat(outs).transpose(0, 1), torch.cat(lses)
 
 
 def merge_attn_states_torch(
