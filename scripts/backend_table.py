@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Generates the README's backend table from the backend classes themselves.
 
-    python scripts/backend_table.py          # print the table
-    python scripts/backend_table.py --write  # rewrite it in README.md
-    python scripts/backend_table.py --check  # exit 1 when README.md's copy is stale
+python scripts/backend_table.py          # print the table
+python scripts/backend_table.py --write  # rewrite it in README.md
+python scripts/backend_table.py --check  # exit 1 when README.md's copy is stale
 """
 
 from __future__ import annotations
