@@ -146,7 +146,7 @@ def cmd_select(args: argparse.Namespace) -> int:
 
     cap = _capability(args.capability)
     config = MLAPrefillSelectorConfig.from_dims(_dtype(args.dtype), *_dims(args.dims))
-    choice = Choice(args.backend.upper(), "--backend", True) if args.backend else requested_choice(None)
+    choice = Choice(args.backend, "--backend", True) if args.backend else requested_choice(None)
     order = [m.name for m in mla_prefill_backend_priorities(cap)]
     candidates = []
     for member in MLAPrefillBackendEnum:
@@ -211,7 +211,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     cap = current_device_capability() if device == "cuda" else None
     config = MLAPrefillSelectorConfig.from_dims(dtype, 128, 64, 128)
-    choice = Choice(args.backend.upper(), "--backend", True) if args.backend else requested_choice(None)
+    choice = Choice(args.backend, "--backend", True) if args.backend else requested_choice(None)
     try:
         selection = select(cap, config, choice)
     except ValueError as e:

@@ -76,10 +76,15 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
         with _LOCK:
             _OVERRIDES.pop(self.name, None)
             _mirror_to_environment()
+        _clear_selector_cache()
 
     @property
     def is_builtin(self) -> bool:
         return self.name in _BUILTIN_NAMES
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # By name: members added at run time share the value None with CUSTOM.
+        return MLAPrefillBackendEnum.__getitem__, (self.name,)
 
 
 _BUILTIN_NAMES = frozenset(MLAPrefillBackendEnum.__members__)
@@ -102,13 +107,19 @@ def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
+        missing = getattr(e, "name", None)
+        if not (
+            isinstance(e, ModuleNotFoundError) and missing and (module_name + ".").startswith(missing + ".")
+        ):
+            # The module exists but fails to import (e.g. a library it needs is missing).
+            raise ImportError(f"MLA prefill backend {name}: cannot import '{class_path}': {e}") from e
         # The path may name a nested class ('mod.Outer.Inner'): walk up.
         obj = None
         parts = class_path.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
+        for cut in range(len(parts) - 2, 0, -1):
             try:
                 obj = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
+            except ModuleNotFoundError:
                 continue
             attr = ".".join(parts[cut:])
             break
@@ -143,7 +154,8 @@ def _add_member(name: str) -> MLAPrefillBackendEnum:
             "'MY_PREFILL' (letters, digits, underscores; no leading underscore)"
         )
     enum_cls: Any = MLAPrefillBackendEnum
-    if hasattr(enum_cls, name):
+    # hasattr() misses Enum's `name`/`value` (their class access raises): look in the MRO too.
+    if hasattr(enum_cls, name) or any(name in vars(k) for k in type.mro(MLAPrefillBackendEnum)):
         raise ValueError(f"MLA prefill backend name '{name}' is reserved")
     member = object.__new__(MLAPrefillBackendEnum)
     member._name_ = name
@@ -153,6 +165,20 @@ def _add_member(name: str) -> MLAPrefillBackendEnum:
     enum_cls._member_names_.append(name)
     type.__setattr__(MLAPrefillBackendEnum, name, member)
     return member
+
+
+def lookup(name: str) -> MLAPrefillBackendEnum:
+    """The member called ``name``: exact spelling first, then ignoring case.
+
+    Raises ValueError naming the valid options when there is none (or several).
+    """
+    members = MLAPrefillBackendEnum.__members__
+    if name in members:
+        return members[name]
+    matches = [m for n, m in members.items() if n.lower() == name.lower()]
+    if len(matches) == 1:
+        return matches[0]
+    return MLAPrefillBackendEnum[name]  # raises with the list of valid names
 
 
 def _resolve_member(backend: MLAPrefillBackendEnum | str) -> MLAPrefillBackendEnum:

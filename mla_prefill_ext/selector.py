@@ -26,7 +26,7 @@ import torch
 
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.backends.base import R1_MLA_DIMS
-from mla_prefill_ext.registry import MLAPrefillBackendEnum
+from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,13 +113,13 @@ def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
     if value:
         if str(value).upper() == AUTO:
             return None
-        return Choice(str(value).upper(), f"additional_config['{ADDITIONAL_CONFIG_KEY}']", True)
+        return Choice(str(value), f"additional_config['{ADDITIONAL_CONFIG_KEY}']", True)
 
     value = os.environ.get(BACKEND_ENV, "").strip()
     if value:
         if value.upper() == AUTO:
             return None
-        return Choice(value.upper(), BACKEND_ENV, True)
+        return Choice(value, BACKEND_ENV, True)
 
     attention_config = getattr(vllm_config, "attention_config", None)
     if attention_config is None:
@@ -169,7 +169,7 @@ def select(
 ) -> Selection:
     """Choose a backend (uncached). Raises ValueError when nothing can serve."""
     if choice is not None:
-        member = MLAPrefillBackendEnum[choice.name]  # ValueError lists valid names
+        member = lookup(choice.name)  # any case; ValueError lists the valid names
         cls, reasons = check_backend(member, capability, config)
         if not reasons and cls is not None:
             return Selection(cls, member.name, choice.source, capability, config)
@@ -250,8 +250,14 @@ def clear_cache() -> None:
 def describe_requested(vllm_config: VllmConfig | None) -> dict[str, Any]:
     """What the configuration in force asks for (for diagnostics)."""
     choice = requested_choice(vllm_config)
+    requested = AUTO
+    if choice is not None:
+        try:
+            requested = lookup(choice.name).name  # the member's own spelling
+        except ValueError:
+            requested = choice.name  # unknown: show it as given
     return {
-        "requested": choice.name if choice else AUTO,
+        "requested": requested,
         "source": choice.source if choice else "automatic",
         BACKEND_ENV: os.environ.get(BACKEND_ENV),
     }

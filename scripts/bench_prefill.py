@@ -33,7 +33,7 @@ R1 = (128, 64, 128)
 NON_R1 = (64, 32, 64)
 
 
-def kernel_grid(quick: bool, device: str) -> list[dict[str, Any]]:
+def kernel_grid(quick: bool, device: str, dims_choice: str = "all") -> list[dict[str, Any]]:
     if device == "cpu":  # a smoke-sized case: the script itself, not the numbers
         return [{"dims": R1, "heads": 2, "new": [64], "ctx": [64]}]
     singles = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -41,7 +41,7 @@ def kernel_grid(quick: bool, device: str) -> list[dict[str, Any]]:
     if quick:
         singles, batches = [512, 4096, 16384], [[128] * 64]
     grid = []
-    for dims in (R1, NON_R1):
+    for dims in {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]:
         for heads in (16, 128):
             for n in singles:
                 grid.append({"dims": dims, "heads": heads, "new": [n], "ctx": [n]})
@@ -120,10 +120,58 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
     return {}
 
 
+def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, args, device) -> list[dict]:
+    """Both ops of one backend on one shape, next to the bare kernel where there is one."""
+    import torch
+
+    from mla_prefill_ext.problem import deepseek_yarn_scale
+
+    dims, heads = case["dims"], case["heads"]
+    rows = []
+    backend = cls(heads, deepseek_yarn_scale(), 512, *dims, None)
+    backend.prepare_metadata(p.metadata)
+    ours = {
+        "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
+        "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
+    }
+    bare = bare_kernels(name, backend, p, chunk)
+    for op, flops in (("new_tokens", new_flops), ("context_chunk", ctx_flops)):
+        fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
+        for fn in fns.values():  # warm-up (and JIT)
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        once = measure(fns["backend"], 1)
+        n = max(1, min(200, int(0.02 / max(once, 1e-6))))
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(args.rounds):  # interleave the sides round by round
+            for k, fn in fns.items():
+                samples[k].append(measure(fn, n))
+        row = {
+            "backend": name,
+            "op": op,
+            "dims": list(dims),
+            "heads": heads,
+            "seqs": len(case["new"]),
+            "tokens": sum(case["new"]),
+            "shape": f"{len(case['new'])}x{case['new'][0]}",
+            "launches_per_round": n,
+        }
+        for k, s in samples.items():
+            t = statistics.median(s)
+            row[f"{k}_ms"] = t * 1e3
+            row[f"{k}_tflops"] = flops / t / 1e12
+        if "bare_ms" in row:
+            row["ratio"] = row["bare_ms"] / row["backend_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from mla_prefill_ext.problem import deepseek_yarn_scale, make_problem
+    from mla_prefill_ext.problem import make_problem
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
 
@@ -132,7 +180,7 @@ def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     cap = current_device_capability() if device == "cuda" else None
     names = ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"]
     rows = []
-    for case in kernel_grid(args.quick, device):
+    for case in kernel_grid(args.quick, device, args.dims):
         dims, heads = case["dims"], case["heads"]
         config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
         p = make_problem(case["new"], case["ctx"], 1, heads, *dims, device=device, seed=0)
@@ -146,43 +194,21 @@ def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
             cls = MLAPrefillBackendEnum[name].get_class()
             if cls.validate_configuration(cap, config):
                 continue
-            backend = cls(heads, deepseek_yarn_scale(), 512, *dims, None)
-            backend.prepare_metadata(p.metadata)
-            ours = {
-                "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
-                "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
-            }
-            bare = bare_kernels(name, backend, p, chunk)
-            for op, flops in (("new_tokens", new_flops), ("context_chunk", ctx_flops)):
-                fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
-                for fn in fns.values():  # warm-up (and JIT)
-                    fn()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                once = measure(fns["backend"], 1)
-                n = max(1, min(200, int(0.02 / max(once, 1e-6))))
-                samples: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.rounds):  # interleave the sides round by round
-                    for k, fn in fns.items():
-                        samples[k].append(measure(fn, n))
-                row = {
-                    "backend": name,
-                    "op": op,
-                    "dims": list(dims),
-                    "heads": heads,
-                    "seqs": len(case["new"]),
-                    "tokens": sum(case["new"]),
-                    "shape": f"{len(case['new'])}x{case['new'][0]}",
-                    "launches_per_round": n,
-                }
-                for k, s in samples.items():
-                    t = statistics.median(s)
-                    row[f"{k}_ms"] = t * 1e3
-                    row[f"{k}_tflops"] = flops / t / 1e12
-                if "bare_ms" in row:
-                    row["ratio"] = row["bare_ms"] / row["backend_ms"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            try:
+                rows += measure_backend(
+                    name, cls, case, p, chunk, new_flops, ctx_flops, measure, args, device
+                )
+            except RuntimeError as e:  # a kernel that refuses this shape is a result too
+                rows.append(
+                    {
+                        "backend": name,
+                        "dims": list(dims),
+                        "heads": heads,
+                        "shape": f"{len(case['new'])}x{case['new'][0]}",
+                        "error": str(e),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
         p = chunk = None  # free this shape's tensors before the next one
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -202,6 +228,7 @@ def fastest_per_shape(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     cap = current_device_capability() if torch.cuda.is_available() else None
     out = []
+    rows = [r for r in rows if "error" not in r]
     keys = sorted({(r["op"], tuple(r["dims"]), r["heads"], r["shape"]) for r in rows})
     for op, dims, heads, shape in keys:
         cands = {
@@ -222,7 +249,7 @@ def fastest_per_shape(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "shape": shape,
                 "fastest": best,
                 "automatic": auto,
-                "auto_vs_fastest": cands[best] / cands[auto],
+                "auto_vs_fastest": cands[best] / cands[auto] if auto in cands else None,
                 "ms": cands,
             }
         )
@@ -379,6 +406,7 @@ def main() -> int:
     parser.add_argument("--plot", help="write the kernel plot (PNG) here")
     parser.add_argument("--quick", action="store_true", help="a smaller kernel grid")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dims", choices=["r1", "non-r1", "all"], default="all", help="kernel grid shapes")
     parser.add_argument("--startup-reps", type=int, default=7)
     parser.add_argument("--results", default="/tmp/mla-bench-engine", help="engine scenario folder")
     parser.add_argument("--reuse", help="take engine results from this scenario folder")

@@ -34,11 +34,24 @@ def _varlen_kernel() -> tuple[Any, bool] | None:
         return None
 
 
+def fa3_takes_head_dims(qk_head_dim: int, v_head_dim: int) -> bool:
+    """Whether FA3 (Hopper) runs unequal q/k and v head dims natively.
+
+    The ranges are FA3's own check ("If V headdim is different from Q/K dim, we only
+    support Q/K headdim in (128, 192] and V headdim in (96, 128], or (Q/K <= 64 and
+    V <= 512)"); vLLM 0.20 assumes every MLA shape fits and fails on the others.
+    """
+    if qk_head_dim == v_head_dim:
+        return True
+    return (128 < qk_head_dim <= 192 and 96 < v_head_dim <= 128) or (qk_head_dim <= 64 and v_head_dim <= 512)
+
+
 class FlashAttnPrefillBackend(MLAPrefillBackend):
     """FlashAttention varlen prefill.
 
-    FA3 on Hopper and FA4 take qk head dim 192 with v head dim 128 natively. FA2
-    (other architectures, and the upstream package) needs equal head dims: V is
+    FA3 on Hopper and FA4 take qk head dim 192 with v head dim 128 natively (FA3 only
+    within its ranges, see :func:`fa3_takes_head_dims`). FA2 (other architectures, the
+    upstream package) and FA3 outside those ranges need equal head dims: V is
     zero-padded to the qk dim and the output sliced back, and made contiguous,
     before it leaves the backend, so what the layer merges is never padded.
     """
@@ -92,7 +105,10 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
         )
         capability = current_platform.get_device_capability()
         native_diff_headdims = self.fa_version == 4 or (
-            self.fa_version == 3 and capability is not None and capability.major == 9
+            self.fa_version == 3
+            and capability is not None
+            and capability.major == 9
+            and fa3_takes_head_dims(self.qk_head_dim, v_head_dim)
         )
         self.requires_v_padding = self.qk_head_dim != v_head_dim and not native_diff_headdims
         # vLLM's kernel names the flag return_softmax_lse, upstream flash-attn return_attn_probs.

@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         gpu_memory_utilization=0.6,
         seed=0,
+        # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose
+        # JIT build takes many minutes on a host without FlashInfer's prebuilt kernels.
+        moe_backend="triton",
+        # Likewise FlashInfer's all-reduce fusion (TP > 1): minutes of JIT build per host.
+        compilation_config={"pass_config": {"fuse_allreduce_rms": False}},
         **kwargs,
     )
     ready_s = time.perf_counter() - t0
