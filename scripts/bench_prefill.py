@@ -77,7 +77,10 @@ def _timer(device: str):
 
 def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[str, Any]:
     """The same kernel as the backend, called directly with the same arguments."""
+    import copy
     import functools
+
+    import torch
 
     m = p.metadata
     if name == "FLASH_ATTN":
@@ -85,6 +88,11 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
 
         fa = functools.partial(flash_attn_varlen_func, fa_version=backend.fa_version)
         ctx = m.chunked_context
+        if backend.requires_v_padding:  # the kernel needs V at the qk head dim here
+            pad = p.q.shape[-1] - p.v.shape[-1]
+            p = copy.copy(p)
+            p.v = torch.nn.functional.pad(p.v, [0, pad])
+            chunk_q_k_v = (*chunk_q_k_v[:2], torch.nn.functional.pad(chunk_q_k_v[2], [0, pad]))
         return {
             "new_tokens": lambda: fa(
                 q=p.q,
@@ -215,7 +223,9 @@ def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def fastest_per_shape(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fastest_per_shape(
+    rows: list[dict[str, Any]], assume_capability: tuple[int, int] | None = None
+) -> list[dict[str, Any]]:
     """Per shape: the fastest backend measured, and what automatic selection picks here."""
     import torch
 
@@ -227,6 +237,10 @@ def fastest_per_shape(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
     cap = current_device_capability() if torch.cuda.is_available() else None
+    if assume_capability is not None:
+        from vllm.platforms.interface import DeviceCapability
+
+        cap = DeviceCapability(*assume_capability)
     out = []
     rows = [r for r in rows if "error" not in r]
     keys = sorted({(r["op"], tuple(r["dims"]), r["heads"], r["shape"]) for r in rows})
@@ -338,6 +352,8 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
 def plot(kernel_rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
+    kernel_rows = [r for r in kernel_rows if "error" not in r]
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -368,6 +384,55 @@ def plot(kernel_rows: list[dict[str, Any]], path: str) -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The result tables as Markdown (for docs/benchmarks.md)."""
+    lines: list[str] = []
+    rows = [r for r in out.get("kernel", []) if "error" not in r]
+    if rows:
+        lines += [
+            "| op | dims (nope,rope,v) | heads | seqs x tokens | FLASH_ATTN backend / bare TFLOP/s (ratio) "
+            "| FLASHINFER backend / bare TFLOP/s (ratio) | TORCH_SDPA TFLOP/s |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        keys = sorted(
+            {(r["op"], tuple(r["dims"]), r["heads"], r["seqs"], r["shape"]) for r in rows},
+            key=lambda k: (k[0] != "new_tokens", k[1] != R1, k[2], k[3] > 1, int(k[4].split("x")[1])),
+        )
+        for op, dims, heads, _seqs, shape in keys:
+            cell = {}
+            for r in rows:
+                if (r["op"], tuple(r["dims"]), r["heads"], r["shape"]) == (op, dims, heads, shape):
+                    if "bare_tflops" in r:
+                        cell[r["backend"]] = (
+                            f"{r['backend_tflops']:.0f} / {r['bare_tflops']:.0f} ({r['ratio']:.3f})"
+                        )
+                    else:
+                        cell[r["backend"]] = f"{r['backend_tflops']:.1f}"
+            lines.append(
+                f"| {op} | {','.join(map(str, dims))} | {heads} | {shape} | {cell.get('FLASH_ATTN', '-')} "
+                f"| {cell.get('FLASHINFER', '-')} | {cell.get('TORCH_SDPA', '-')} |"
+            )
+        lines.append("")
+    for err in [r for r in out.get("kernel", []) if "error" in r][:1]:
+        n = sum("error" in r for r in out["kernel"])
+        lines += [f"{n} cases failed to run; the first: {err['backend']} {err['dims']}: {err['error']}", ""]
+    if out.get("selection"):
+        lines += [
+            "| op | dims | heads | seqs x tokens | fastest | automatic (SM90) | auto time / fastest |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for sel in out["selection"]:
+            if sel["auto_vs_fastest"] is None:
+                continue
+            ratio = 1 / sel["auto_vs_fastest"]
+            lines.append(
+                f"| {sel['op']} | {','.join(map(str, sel['dims']))} | {sel['heads']} | {sel['shape']} "
+                f"| {sel['fastest']} | {sel['automatic']} | {ratio:.2f}x |"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def environment() -> dict[str, Any]:
@@ -401,7 +466,7 @@ def environment() -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["kernel", "engine", "startup", "all"])
+    parser.add_argument("mode", choices=["kernel", "engine", "startup", "all", "report"])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the kernel plot (PNG) here")
     parser.add_argument("--quick", action="store_true", help="a smaller kernel grid")
@@ -411,10 +476,21 @@ def main() -> int:
     parser.add_argument("--results", default="/tmp/mla-bench-engine", help="engine scenario folder")
     parser.add_argument("--reuse", help="take engine results from this scenario folder")
     parser.add_argument("--gpus", default="0")
+    parser.add_argument("--kernel-log", help="report: rebuild the kernel results from a kernel run's log")
+    parser.add_argument("--markdown", help="report: write the tables as Markdown here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     out: dict[str, Any] = {"command": " ".join(sys.argv), "environment": environment()}
+    if args.mode == "report":  # tables and plot from the rows a kernel run printed
+        out["environment"] = {"note": "rows measured by the run that printed them; see its log"}
+        text = Path(args.kernel_log).read_text().splitlines()
+        out["kernel"] = [json.loads(line) for line in text if line.startswith('{"backend"')]
+        out["selection"] = fastest_per_shape(out["kernel"], assume_capability=(9, 0))
+        if args.plot:
+            plot(out["kernel"], args.plot)
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(out))
     if args.mode in ("kernel", "all"):
         out["kernel"] = bench_kernels(args)
         out["selection"] = fastest_per_shape(out["kernel"])

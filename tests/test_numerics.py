@@ -266,3 +266,25 @@ def test_backend_scale_is_the_softmax_scale(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out_yarn.double(), ref_yarn, atol=atol, rtol=0)
     torch.testing.assert_close(out_plain.double(), ref_plain, atol=output_atol(dtype, ref_plain), rtol=0)
     assert (out_yarn.double() - ref_plain).abs().max().item() > atol
+
+
+def test_fa3_head_dim_ranges() -> None:
+    """FA3's own limits for unequal q/k and v head dims (measured on an H200: (96, 64) is refused)."""
+    from mla_prefill_ext.backends.flash_attn import fa3_takes_head_dims
+
+    assert fa3_takes_head_dims(192, 128)  # DeepSeek-V3/R1
+    assert fa3_takes_head_dims(64, 512)
+    assert fa3_takes_head_dims(96, 96)
+    assert not fa3_takes_head_dims(96, 64)
+    assert not fa3_takes_head_dims(256, 128)
+    assert not fa3_takes_head_dims(192, 64)
+
+
+def test_flashinfer_lse_conversion_is_natural_log_heads_first() -> None:
+    from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
+
+    natural = torch.randn(37, 5, dtype=torch.float32)  # [tokens, heads]
+    base2 = natural / math.log(2.0)
+    out = FlashInferPrefillBackend._natural_lse(base2)
+    assert out.shape == (5, 37) and out.is_contiguous()
+    torch.testing.assert_close(out, natural.T.contiguous())
