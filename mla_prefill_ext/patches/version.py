@@ -19,7 +19,8 @@ def installed_vllm_version() -> str | None:
     version = getattr(vllm, "__version__", None)
     if isinstance(version, str):
         return version
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     try:
         return dist_version("vllm")
