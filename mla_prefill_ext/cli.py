@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # vLLM logs to stdout by default; keep stdout for the report (and valid JSON).
+    # Set before vLLM is first imported, which configures its logging once.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     return args.func(args)
 
 

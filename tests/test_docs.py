@@ -41,3 +41,65 @@ def test_check_command_passes_on_this_machine():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert '"ok": true' in proc.stdout
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "mla_prefill_ext", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_info_reports_patch_and_backends():
+    import json
+
+    proc = run_cli("info", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    assert info["vllm_version"] == "0.20.2" and info["vllm_supported"] and info["patched"]
+    assert all(t["problem"] is None for t in info["targets"])
+    names = {b["name"]: b for b in info["backends"]}
+    assert names["CUSTOM"]["class_path"] is None
+    assert names["FLASH_ATTN"]["class_path"].endswith("FlashAttnPrefillBackend")
+
+
+def test_select_explains_every_candidate():
+    import json
+
+    proc = run_cli("select", "--capability", "9.0", "--dims", "64,32,64", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sel = json.loads(proc.stdout)
+    assert sel["selected"] == "FLASH_ATTN" and sel["automatic_order"][-1] == "TORCH_SDPA"
+    reasons = {c["name"]: c["reasons"] for c in sel["candidates"]}
+    assert any("DeepSeek-R1" in r for r in reasons["FLASHINFER"])
+    assert any("9.0 not supported" in r for r in reasons["TRTLLM_RAGGED"])
+    bad = run_cli("select", "--capability", "9.0", "--backend", "trtllm_ragged")
+    assert bad.returncode == 1 and "cannot serve" in bad.stdout
+
+
+def test_readme_custom_backend_example_runs(tmp_path):
+    """The README's runnable example: the counting CUSTOM backend through `check`."""
+    calls = tmp_path / "calls.txt"
+    proc = run_cli(
+        "check",
+        "--backend",
+        "CUSTOM",
+        "--repeat",
+        "1",
+        env={
+            "PYTHONPATH": str(ROOT / "examples"),
+            "MLA_PREFILL_COUNT_FILE": str(calls),
+            "MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": "counting_backend.CountingPrefillBackend"}',
+        },
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "backend: CUSTOM (counting_backend.CountingPrefillBackend" in proc.stdout
+    kinds = [line.split(" ", 1)[1] for line in calls.read_text().splitlines()]
+    assert kinds.count("new_tokens") == 2  # warm-up + one timed run
+    assert kinds.count("context_chunk 0") == 2 and kinds.count("context_chunk 1") == 2
