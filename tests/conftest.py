@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import host
+from logs import LogRecords
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,14 +48,32 @@ def shim() -> Any:
 
 
 @pytest.fixture
-def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """No backend choice in the environment and no cached selection, before and after."""
+def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No backend choice, registration or cached selection, before and after the test."""
     from mla_prefill_ext import selector
+    from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
 
-    monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
-    selector.clear_cache()
+    def reset() -> None:
+        for member in list(MLAPrefillBackendEnum):
+            member.clear_override()
+        selector.clear_cache()
+        selector._warn_cudnn_once.cache_clear()
+
+    monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(OVERRIDES_ENV, raising=False)
+    reset()
     yield monkeypatch
-    selector.clear_cache()
+    reset()
+
+
+@pytest.fixture
+def addon_log() -> Iterator[list[logging.LogRecord]]:
+    """Records of the add-on's logger (vLLM's loggers do not propagate to caplog's root)."""
+    handler = LogRecords()
+    logger = logging.getLogger("vllm.mla_prefill_ext")
+    logger.addHandler(handler)
+    yield handler.records
+    logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")

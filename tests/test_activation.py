@@ -36,6 +36,10 @@ def raw(module: Any, path: str) -> Any:
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
 
+def messages(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records]
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
     for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND_OVERRIDES"):
@@ -58,21 +62,6 @@ def mla_module() -> Iterator[Any]:
     yield module
     mla_prefill_ext.activate()
     assert patches.is_instrumented()
-
-
-@pytest.fixture
-def log_lines() -> Iterator[list[str]]:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(level=logging.DEBUG)
-    logger = logging.getLogger("vllm.mla_prefill_ext")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
 
 
 def test_entry_point_is_installed():
@@ -106,7 +95,7 @@ def test_activating_twice_wraps_once(mla_module):
         assert not isinstance(outer.__wrapped__, wrapt.FunctionWrapper), path
 
 
-def test_missing_target_patches_nothing_and_says_why(mla_module, log_lines, monkeypatch):
+def test_missing_target_patches_nothing_and_says_why(mla_module, addon_log, monkeypatch):
     monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
     mla_prefill_ext.deactivate()
     saved = mla_module.use_cudnn_prefill
@@ -117,7 +106,9 @@ def test_missing_target_patches_nothing_and_says_why(mla_module, log_lines, monk
         for path in WRAPPED:
             if path != "use_cudnn_prefill":
                 assert not isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
-        assert any("not patching vLLM" in m and "use_cudnn_prefill not found" in m for m in log_lines)
+        assert any(
+            "not patching vLLM" in m and "use_cudnn_prefill not found" in m for m in messages(addon_log)
+        )
         assert "use_cudnn_prefill not found" in patches.state().skipped_reason
     finally:
         mla_module.use_cudnn_prefill = saved
@@ -157,7 +148,7 @@ def test_missing_target_with_explicit_choice_raises(mla_module, monkeypatch):
         monkeypatch.delenv("MLA_PREFILL_BACKEND")
 
 
-def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, log_lines):
+def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, addon_log):
     from mla_prefill_ext.patches import version
 
     monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
@@ -165,7 +156,7 @@ def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, log_lin
     monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
     mla_prefill_ext.activate()
     assert not activation.is_active() and not patches.is_instrumented()
-    assert any("vLLM 0.21.0 is not supported" in m for m in log_lines)
+    assert any("vLLM 0.21.0 is not supported" in m for m in messages(addon_log))
     monkeypatch.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
     with pytest.raises(RuntimeError, match=r"cannot honour MLA_PREFILL_BACKEND=TORCH_SDPA.*0\.21\.0"):
         mla_prefill_ext.activate()

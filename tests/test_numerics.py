@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -11,31 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mla_prefill_ext import selector
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
 from mla_prefill_ext.reference import merge_attn_states_torch, reference_attention
-from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
 
 R1_DIMS = (128, 64, 128)
 SMALL_DIMS = (64, 32, 64)  # an MLA shape other than DeepSeek-R1's
 KV_LORA_RANK = 512
 
 
-def clear_all_overrides() -> None:
-    for member in list(MLAPrefillBackendEnum):
-        member.clear_override()
-
-
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(OVERRIDES_ENV, raising=False)
-    clear_all_overrides()
-    selector.clear_cache()
-    yield
-    clear_all_overrides()
-    selector.clear_cache()
+pytestmark = pytest.mark.usefixtures("clean_selection")
 
 
 def output_atol(dtype: torch.dtype, ref: torch.Tensor) -> float:

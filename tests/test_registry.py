@@ -12,11 +12,11 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import custom_backends
 import pytest
+from logs import warnings_in
 
 from mla_prefill_ext import selector
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
@@ -31,48 +31,10 @@ from mla_prefill_ext.registry import (
 )
 
 E = MLAPrefillBackendEnum
+pytestmark = pytest.mark.usefixtures("clean_selection")
 BUILTIN_NAMES = ["FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TORCH_SDPA", "CUSTOM"]
 SDPA_PATH = "mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
 WRAPPED_PATH = "custom_backends.WrappedSDPABackend"
-
-
-def clear_all_overrides() -> None:
-    for member in list(E):
-        member.clear_override()
-
-
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(OVERRIDES_ENV, raising=False)
-    clear_all_overrides()
-    selector.clear_cache()
-    yield
-    clear_all_overrides()
-    selector.clear_cache()
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def addon_log() -> Iterator[list[logging.LogRecord]]:
-    # vLLM's "vllm" logger does not propagate to the root logger, so caplog sees nothing.
-    handler = _Collect()
-    logger = logging.getLogger("vllm.mla_prefill_ext")
-    logger.addHandler(handler)
-    yield handler.records
-    logger.removeHandler(handler)
-
-
-def warnings_in(records: list[logging.LogRecord]) -> list[str]:
-    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
 def new_name(prefix: str = "TEST_PREFILL") -> str:

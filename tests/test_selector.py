@@ -15,6 +15,7 @@ import host
 import pytest
 import torch
 import vllm.platforms
+from logs import warnings_in
 from vllm.config import AttentionConfig
 from vllm.platforms.interface import DeviceCapability
 
@@ -23,7 +24,7 @@ from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
-from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum, register_mla_prefill_backend
+from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
 E = MLAPrefillBackendEnum
@@ -31,45 +32,8 @@ ADDITIONAL = "additional_config['mla_prefill_backend']"
 LEGACY_TRTLLM = "legacy attention_config.use_trtllm_ragged_deepseek_prefill"
 LEGACY_FLASHINFER = "legacy attention_config.disable_flashinfer_prefill=False"
 R1_BF16 = MLAPrefillSelectorConfig(torch.bfloat16, True)
-
-
-def clear_all_overrides() -> None:
-    for member in list(E):
-        member.clear_override()
-
-
-@pytest.fixture(autouse=True)
-def clean_selector(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(OVERRIDES_ENV, raising=False)
-    clear_all_overrides()
-    selector.clear_cache()
-    yield monkeypatch
-    clear_all_overrides()
-    selector.clear_cache()
-    selector._warn_cudnn_once.cache_clear()
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def addon_log() -> Iterator[_Collect]:
-    handler = _Collect()
-    logger = logging.getLogger("vllm.mla_prefill_ext")
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
-
-
-def warnings_of(log: _Collect) -> list[str]:
-    return [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+pytestmark = pytest.mark.usefixtures("clean_selection")
+Records = list[logging.LogRecord]
 
 
 @contextlib.contextmanager
@@ -215,7 +179,7 @@ def test_automatic_walks_the_priorities_in_order(
 )
 def test_precedence(
     r1: Path,
-    clean_selector: pytest.MonkeyPatch,
+    clean_selection: pytest.MonkeyPatch,
     additional: str | None,
     env: str | None,
     attention: dict[str, bool],
@@ -223,7 +187,7 @@ def test_precedence(
     source: str,
 ) -> None:
     if env is not None:
-        clean_selector.setenv(selector.BACKEND_ENV, env)
+        clean_selection.setenv(selector.BACKEND_ENV, env)
     cfg = config(r1, additional, **attention)
     with device((10, 0)):  # every built-in can serve R1 bf16 here
         selection = selector.selection_for(cfg)
@@ -233,8 +197,8 @@ def test_precedence(
 
 
 @pytest.mark.parametrize("value", ["torch_sdpa", "Torch_Sdpa", "  TORCH_SDPA  "])
-def test_env_value_in_any_case(r1: Path, clean_selector: pytest.MonkeyPatch, value: str) -> None:
-    clean_selector.setenv(selector.BACKEND_ENV, value)
+def test_env_value_in_any_case(r1: Path, clean_selection: pytest.MonkeyPatch, value: str) -> None:
+    clean_selection.setenv(selector.BACKEND_ENV, value)
     with device((9, 0)):
         assert selector.get_mla_prefill_backend(config(r1)) is TorchSDPAPrefillBackend
 
@@ -245,13 +209,13 @@ def test_additional_config_value_in_any_case(r1: Path) -> None:
     assert (selection.name, selection.source) == ("FLASHINFER", ADDITIONAL)
 
 
-def test_describe_requested(r1: Path, clean_selector: pytest.MonkeyPatch) -> None:
+def test_describe_requested(r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
     assert selector.describe_requested(config(r1)) == {
         "requested": "AUTO",
         "source": "automatic",
         "MLA_PREFILL_BACKEND": None,
     }
-    clean_selector.setenv(selector.BACKEND_ENV, "flash_attn")
+    clean_selection.setenv(selector.BACKEND_ENV, "flash_attn")
     described = selector.describe_requested(config(r1))
     assert described["requested"] == "FLASH_ATTN"
     assert described["source"] == "MLA_PREFILL_BACKEND"
@@ -260,8 +224,8 @@ def test_describe_requested(r1: Path, clean_selector: pytest.MonkeyPatch) -> Non
 # Explicit choices fail loudly
 
 
-def test_explicit_env_choice_that_cannot_serve_raises(r1: Path, clean_selector: pytest.MonkeyPatch) -> None:
-    clean_selector.setenv(selector.BACKEND_ENV, "TRTLLM_RAGGED")
+def test_explicit_env_choice_that_cannot_serve_raises(r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
+    clean_selection.setenv(selector.BACKEND_ENV, "TRTLLM_RAGGED")
     with device((9, 0)), pytest.raises(ValueError) as info:
         selector.get_mla_prefill_backend(config(r1))
     message = str(info.value)
@@ -279,8 +243,8 @@ def test_explicit_additional_config_choice_that_cannot_serve_raises(non_r1: Path
     assert "DeepSeek-R1 MLA dimensions" in message
 
 
-def test_explicit_choice_lists_every_reason(non_r1: Path, clean_selector: pytest.MonkeyPatch) -> None:
-    clean_selector.setenv(selector.BACKEND_ENV, "TRTLLM_RAGGED")
+def test_explicit_choice_lists_every_reason(non_r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
+    clean_selection.setenv(selector.BACKEND_ENV, "TRTLLM_RAGGED")
     with device((8, 0)), pytest.raises(ValueError) as info:
         selector.get_mla_prefill_backend(config(non_r1))
     message = str(info.value)
@@ -288,8 +252,8 @@ def test_explicit_choice_lists_every_reason(non_r1: Path, clean_selector: pytest
     assert "DeepSeek-R1 MLA dimensions" in message
 
 
-def test_explicit_unknown_name_lists_valid_names(r1: Path, clean_selector: pytest.MonkeyPatch) -> None:
-    clean_selector.setenv(selector.BACKEND_ENV, "NOPE")
+def test_explicit_unknown_name_lists_valid_names(r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
+    clean_selection.setenv(selector.BACKEND_ENV, "NOPE")
     with pytest.raises(ValueError) as info:
         selector.get_mla_prefill_backend(config(r1))
     message = str(info.value)
@@ -321,39 +285,39 @@ def test_automatic_with_nothing_valid_on_cpu() -> None:
 # Legacy flags
 
 
-def test_legacy_trtllm_flag_when_valid(r1: Path, addon_log: _Collect) -> None:
+def test_legacy_trtllm_flag_when_valid(r1: Path, addon_log: Records) -> None:
     with device((10, 0)):
         selection = selector.selection_for(config(r1, use_trtllm_ragged_deepseek_prefill=True))
     assert selection.backend is TrtllmRaggedPrefillBackend
     assert selection.source == LEGACY_TRTLLM
-    assert warnings_of(addon_log) == []
+    assert warnings_in(addon_log) == []
 
 
-def test_legacy_trtllm_flag_when_invalid_warns_and_falls_back(r1: Path, addon_log: _Collect) -> None:
+def test_legacy_trtllm_flag_when_invalid_warns_and_falls_back(r1: Path, addon_log: Records) -> None:
     with device((9, 0)):
         selection = selector.selection_for(config(r1, use_trtllm_ragged_deepseek_prefill=True))
     assert selection.backend is FlashAttnPrefillBackend
     assert selection.source == "automatic"
     assert selection.rejected["TRTLLM_RAGGED"] == ["compute capability 9.0 not supported"]
-    (warning,) = warnings_of(addon_log)
+    (warning,) = warnings_in(addon_log)
     assert "TRTLLM_RAGGED" in warning
     assert LEGACY_TRTLLM in warning
     assert "Falling back to automatic selection" in warning
 
 
-def test_legacy_flashinfer_flag(r1: Path, non_r1: Path, addon_log: _Collect) -> None:
+def test_legacy_flashinfer_flag(r1: Path, non_r1: Path, addon_log: Records) -> None:
     with device((9, 0)):
         selection = selector.selection_for(config(r1, disable_flashinfer_prefill=False))
         assert selection.backend is FlashInferPrefillBackend
         assert selection.source == LEGACY_FLASHINFER
-        assert warnings_of(addon_log) == []
+        assert warnings_in(addon_log) == []
         fallback = selector.selection_for(config(non_r1, disable_flashinfer_prefill=False))
     assert fallback.name == "FLASH_ATTN"
     assert "DeepSeek-R1 MLA dimensions" in fallback.rejected["FLASHINFER"][0]
-    assert any("FLASHINFER" in w and "Falling back" in w for w in warnings_of(addon_log))
+    assert any("FLASHINFER" in w and "Falling back" in w for w in warnings_in(addon_log))
 
 
-def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: _Collect) -> None:
+def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: Records) -> None:
     selector._warn_cudnn_once.cache_clear()  # another test may have used up the one warning
     cfg = config(r1, use_cudnn_prefill=True)
     with device((9, 0)):
@@ -362,7 +326,7 @@ def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: _C
         second = selector.selection_for(cfg)
     assert first.name == second.name == "FLASH_ATTN"
     assert first.source == "automatic"
-    deprecations = [w for w in warnings_of(addon_log) if "use_cudnn_prefill is deprecated" in w]
+    deprecations = [w for w in warnings_in(addon_log) if "use_cudnn_prefill is deprecated" in w]
     assert len(deprecations) == 1
     assert "MLA_PREFILL_BACKEND" in deprecations[0]
 
@@ -420,21 +384,21 @@ def test_registered_custom_backend_is_selectable(r1: Path) -> None:
     assert (selection.name, selection.source) == ("CUSTOM", ADDITIONAL)
 
 
-def test_new_upper_case_name_is_selectable_from_env(r1: Path, clean_selector: pytest.MonkeyPatch) -> None:
+def test_new_upper_case_name_is_selectable_from_env(r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
     name = f"MY_PREFILL_{uuid.uuid4().hex[:8].upper()}"
     register_mla_prefill_backend(name, "custom_backends.WrappedSDPABackend")
-    clean_selector.setenv(selector.BACKEND_ENV, name.lower())
+    clean_selection.setenv(selector.BACKEND_ENV, name.lower())
     with device((9, 0)):
         assert selector.get_mla_prefill_backend(config(r1)) is custom_backends.WrappedSDPABackend
 
 
 def test_new_lower_case_name_is_selectable_by_its_own_spelling(
-    r1: Path, clean_selector: pytest.MonkeyPatch
+    r1: Path, clean_selection: pytest.MonkeyPatch
 ) -> None:
     # The registry accepts any identifier, so a name registered as spelled must select.
     name = f"my_prefill_{uuid.uuid4().hex[:8]}"
     register_mla_prefill_backend(name, "custom_backends.WrappedSDPABackend")
-    clean_selector.setenv(selector.BACKEND_ENV, name)
+    clean_selection.setenv(selector.BACKEND_ENV, name)
     with device((9, 0)):
         assert selector.get_mla_prefill_backend(config(r1)) is custom_backends.WrappedSDPABackend
 
@@ -442,7 +406,7 @@ def test_new_lower_case_name_is_selectable_by_its_own_spelling(
 # The slow path on a GPU is announced
 
 
-def test_torch_sdpa_chosen_automatically_on_a_gpu_warns(r1: Path, addon_log: _Collect) -> None:
+def test_torch_sdpa_chosen_automatically_on_a_gpu_warns(r1: Path, addon_log: Records) -> None:
     unavailable = classmethod(lambda cls: False)
     with (
         device((9, 0)),
@@ -450,37 +414,37 @@ def test_torch_sdpa_chosen_automatically_on_a_gpu_warns(r1: Path, addon_log: _Co
         mock.patch.object(FlashInferPrefillBackend, "is_available", unavailable),
     ):
         assert selector.get_mla_prefill_backend(config(r1)) is TorchSDPAPrefillBackend
-    (warning,) = warnings_of(addon_log)
+    (warning,) = warnings_in(addon_log)
     assert "TORCH_SDPA was chosen automatically on a GPU" in warning
     assert f"FLASH_ATTN: {FlashAttnPrefillBackend.unavailable_reason()}" in warning
     assert f"FLASHINFER: {FlashInferPrefillBackend.unavailable_reason()}" in warning
 
 
-def test_torch_sdpa_by_failed_override_on_a_gpu_warns(r1: Path, addon_log: _Collect) -> None:
+def test_torch_sdpa_by_failed_override_on_a_gpu_warns(r1: Path, addon_log: Records) -> None:
     # Overrides whose classes cannot load make the faster built-ins invalid, too.
     register_mla_prefill_backend(E.FLASH_ATTN, "custom_backends.NotABackend")
     register_mla_prefill_backend(E.FLASHINFER, "custom_backends.NoSuchBackend")
     with device((9, 0)):
         selection = selector.selection_for(config(r1))
     assert selection.name == "TORCH_SDPA"
-    (warning,) = warnings_of(addon_log)
+    (warning,) = warnings_in(addon_log)
     assert "custom_backends.NotABackend" in warning
     assert "custom_backends.NoSuchBackend" in warning
 
 
-def test_torch_sdpa_on_cpu_does_not_warn(r1: Path, addon_log: _Collect) -> None:
+def test_torch_sdpa_on_cpu_does_not_warn(r1: Path, addon_log: Records) -> None:
     with device(None):
         assert selector.get_mla_prefill_backend(config(r1)) is TorchSDPAPrefillBackend
-    assert warnings_of(addon_log) == []
+    assert warnings_in(addon_log) == []
 
 
 def test_torch_sdpa_chosen_explicitly_on_a_gpu_does_not_warn(
-    r1: Path, clean_selector: pytest.MonkeyPatch, addon_log: _Collect
+    r1: Path, clean_selection: pytest.MonkeyPatch, addon_log: Records
 ) -> None:
-    clean_selector.setenv(selector.BACKEND_ENV, "TORCH_SDPA")
+    clean_selection.setenv(selector.BACKEND_ENV, "TORCH_SDPA")
     with device((9, 0)):
         assert selector.get_mla_prefill_backend(config(r1)) is TorchSDPAPrefillBackend
-    assert warnings_of(addon_log) == []
+    assert warnings_in(addon_log) == []
 
 
 # The selector's model facts

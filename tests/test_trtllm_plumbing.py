@@ -17,12 +17,11 @@ import pytest
 import torch
 from vllm.platforms.interface import DeviceCapability
 
-from mla_prefill_ext import selector
 from mla_prefill_ext.backends import trtllm_ragged
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
 from mla_prefill_ext.reference import reference_attention
-from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
+from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
 REAL_KERNEL = flashinfer.prefill.trtllm_ragged_attention_deepseek
@@ -30,23 +29,13 @@ WORKSPACE_BYTES = 4096
 NUM_HEADS = 4
 
 
-def clear_all_overrides() -> None:
-    for member in list(MLAPrefillBackendEnum):
-        member.clear_override()
-
-
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(OVERRIDES_ENV, raising=False)
+def small_workspace(clean_selection: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch = clean_selection
     # A small workspace, and a private cache of them: the default is 394 MiB per device.
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(WORKSPACE_BYTES))
     monkeypatch.setattr(trtllm_ragged, "_WORKSPACES", {})
-    clear_all_overrides()
-    selector.clear_cache()
     yield
-    clear_all_overrides()
-    selector.clear_cache()
 
 
 # Validation
