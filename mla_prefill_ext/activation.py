@@ -39,27 +39,28 @@ def _on_mla_module_imported(module: ModuleType) -> None:
 
 
 def activate() -> None:
-    """Arm the patch in this process (idempotent; a no-op when disabled)."""
+    """Arm the patch in this process (idempotent; a no-op when disabled).
+
+    On an unsupported vLLM the hook is armed all the same: it then patches nothing
+    and only guards against an explicit backend choice (see ``patches.skip``).
+    """
     global _active, _hook_registered
     if is_disabled():
         return
-    from mla_prefill_ext.patches import MLA_MODULE, refuse_if_explicit
+    from mla_prefill_ext.patches import MLA_MODULE, skip
     from mla_prefill_ext.patches.version import unsupported_reason
 
     with _LOCK:
         if _active:
             return
+        _active = True
         reason = unsupported_reason()
         if reason is not None:
-            from mla_prefill_ext._logging import logger
-
-            logger.warning(
-                "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
-                reason,
-            )
-            refuse_if_explicit(reason)
-            return
-        _active = True
+            try:
+                skip(reason)  # says why now, and refuses an explicit choice in the environment
+            except RuntimeError:
+                _active = False
+                raise
         if not _hook_registered:
             import wrapt
 

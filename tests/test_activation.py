@@ -36,6 +36,18 @@ def raw(module: Any, path: str) -> Any:
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
 
+def assert_only_the_guard(module: Any, missing: str | None = None) -> None:
+    """Nothing patched; MLAAttention.__init__ carries only the explicit-choice guard."""
+    for path in WRAPPED:
+        if path == missing:
+            continue
+        attr = raw(module, path)
+        if path == "MLAAttention.__init__":
+            assert attr is patches.state().guard, path
+        else:
+            assert not isinstance(attr, wrapt.FunctionWrapper), path
+
+
 def messages(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records]
 
@@ -103,9 +115,7 @@ def test_missing_target_patches_nothing_and_says_why(mla_module, addon_log, monk
     try:
         mla_prefill_ext.activate()
         assert not patches.is_instrumented()
-        for path in WRAPPED:
-            if path != "use_cudnn_prefill":
-                assert not isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
+        assert_only_the_guard(mla_module, missing="use_cudnn_prefill")
         assert any(
             "not patching vLLM" in m and "use_cudnn_prefill not found" in m for m in messages(addon_log)
         )
@@ -154,14 +164,20 @@ def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, addon_l
     monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
     mla_prefill_ext.deactivate()
     monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
-    mla_prefill_ext.activate()
-    assert not activation.is_active() and not patches.is_instrumented()
-    assert any("vLLM 0.21.0 is not supported" in m for m in messages(addon_log))
-    monkeypatch.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
-    with pytest.raises(RuntimeError, match=r"cannot honour MLA_PREFILL_BACKEND=TORCH_SDPA.*0\.21\.0"):
+    try:
         mla_prefill_ext.activate()
-    monkeypatch.delenv("MLA_PREFILL_BACKEND")
-    monkeypatch.undo()
+        assert not patches.is_instrumented()
+        assert_only_the_guard(mla_module)
+        said = [m for m in messages(addon_log) if "vLLM 0.21.0 is not supported" in m]
+        assert len(said) == 1, said  # one line, though activation and the import hook both saw it
+        mla_prefill_ext.deactivate()
+        monkeypatch.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+        with pytest.raises(RuntimeError, match=r"cannot honour MLA_PREFILL_BACKEND=TORCH_SDPA.*0\.21\.0"):
+            mla_prefill_ext.activate()
+        assert not activation.is_active()
+    finally:
+        monkeypatch.undo()
+        mla_prefill_ext.deactivate()
 
 
 @pytest.mark.parametrize(

@@ -187,3 +187,31 @@ def test_context_chunk_hook_calls_the_layer_backend(shim, clean_selection, model
     assert torch.allclose(out[:4].double(), expected, atol=1e-5)
     assert torch.allclose(lse[:, :4].double(), expected_lse, atol=1e-5)
     assert torch.isneginf(lse[:, 4:]).all()  # the second request has no context
+
+
+def test_additional_config_choice_is_refused_when_the_patch_cannot_land(shim, clean_selection, model_dirs):
+    """A patch target missing: vLLM stays stock, but an explicit additional_config choice fails."""
+    import mla_prefill_ext
+    from mla_prefill_ext import patches
+
+    mla_prefill_ext.deactivate()
+    saved = shim.use_cudnn_prefill
+    del shim.use_cudnn_prefill  # a vLLM that changed under us
+    try:
+        mla_prefill_ext.activate()
+        assert not patches.is_instrumented()
+        explicit = host.make_vllm_config(
+            model_dirs["plain"], additional_config={"mla_prefill_backend": "TORCH_SDPA"}
+        )
+        with pytest.raises(
+            RuntimeError, match=r"cannot honour additional_config\['mla_prefill_backend'\]=TORCH_SDPA"
+        ):
+            build(explicit, None)
+        shim.use_cudnn_prefill = saved  # vLLM's own __init__ needs it to build a layer
+        layer = build(host.make_vllm_config(model_dirs["plain"]), (9, 0))
+        assert not hasattr(layer, "prefill_backend")  # stock
+    finally:
+        shim.use_cudnn_prefill = saved
+        mla_prefill_ext.deactivate()
+        mla_prefill_ext.activate()
+        assert patches.is_instrumented()

@@ -21,7 +21,7 @@ from typing import Any
 import wrapt
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.patches import wrappers
+from mla_prefill_ext.patches import version, wrappers
 from mla_prefill_ext.patches.layers import MLA_MODULE
 from mla_prefill_ext.patches.targets import (
     PREFILL_CHOICE_FUNCTIONS,
@@ -29,17 +29,14 @@ from mla_prefill_ext.patches.targets import (
     TargetStatus,
     inspect_targets,
 )
-from mla_prefill_ext.patches.version import (
-    SUPPORTED_VLLM,
-    installed_vllm_version,
-    unsupported_reason,
-)
+from mla_prefill_ext.patches.version import SUPPORTED_VLLM
 
 __all__ = [
     "MLA_MODULE",
     "SUPPORTED_VLLM",
     "PatchState",
     "instrument",
+    "skip",
     "is_instrumented",
     "state",
     "uninstrument",
@@ -55,6 +52,7 @@ class PatchState:
     skipped_reason: str | None = None
     targets: list[TargetStatus] = field(default_factory=list)
     handles: list[tuple[str, Any]] = field(default_factory=list)
+    guard: Any = None  # the explicit-choice guard installed instead of the patch
 
 
 _STATE = PatchState()
@@ -112,13 +110,40 @@ def refuse_if_explicit(reason: str) -> None:
         )
 
 
+def skip(reason: str, module: ModuleType | None = None) -> None:
+    """Leave vLLM stock: say why once, and refuse an explicit choice.
+
+    An environment choice is refused at once. A choice in ``additional_config`` is
+    only visible once an engine's configuration is current, so when the MLA module is
+    at hand a guard on ``MLAAttention.__init__`` refuses it as the first MLA layer is
+    built, and otherwise lets vLLM run untouched.
+    """
+    with _LOCK:
+        if reason != _STATE.skipped_reason:
+            logger.warning(
+                "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
+                reason,
+            )
+        _STATE.skipped_reason = reason
+        if module is not None and _STATE.guard is None:
+            try:
+                _STATE.guard = wrapt.wrap_function_wrapper(
+                    module,
+                    "MLAAttention.__init__",
+                    wrappers.make_explicit_choice_guard(reason, refuse_if_explicit),
+                )
+            except (AttributeError, wrapt.PathResolutionError):
+                pass  # no MLA layer class at all: nothing can ask for a prefill backend
+    refuse_if_explicit(reason)
+
+
 def instrument(module: ModuleType) -> bool:
     """Patch vLLM's MLA module (all or none). True when the patch is in place."""
     with _LOCK:
         if _STATE.instrumented:
             return True
-        _STATE.vllm_version = installed_vllm_version()
-        reason = unsupported_reason(_STATE.vllm_version)
+        _STATE.vllm_version = version.installed_vllm_version()
+        reason = version.unsupported_reason(_STATE.vllm_version)
         _STATE.targets = inspect_targets(module)
         if reason is None:
             bad = [f"{t.path} {t.problem}" for t in _STATE.targets if not t.ok]
@@ -127,12 +152,7 @@ def instrument(module: ModuleType) -> bool:
         if reason is None:
             reason = _apply(module)
         if reason is not None:
-            _STATE.skipped_reason = reason
-            logger.warning(
-                "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
-                reason,
-            )
-            refuse_if_explicit(reason)
+            skip(reason, module)
             return False
         _STATE.skipped_reason = None
         _STATE.instrumented = True
@@ -155,11 +175,15 @@ def _apply(module: ModuleType) -> str | None:
 
 
 def uninstrument(module: ModuleType) -> None:
-    """Remove every wrapper the patch installed (no-op when none is installed).
+    """Remove every wrapper the patch (or its guard) installed; a no-op when none is.
 
     Layers built while the patch was in place keep their backend.
     """
     with _LOCK:
+        if _STATE.guard is not None:
+            wrapt.unwrap_object(module, "MLAAttention.__init__", _STATE.guard, missing_ok=True)
+            _STATE.guard = None
+        _STATE.skipped_reason = None
         if not _STATE.instrumented:
             return
         for path, handle in reversed(_STATE.handles):

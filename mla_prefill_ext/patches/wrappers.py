@@ -26,6 +26,16 @@ class StalePrefillLogFilter(logging.Filter):
         return record.msg not in _STALE_MESSAGES
 
 
+def make_explicit_choice_guard(reason: str, refuse: Any) -> Any:
+    """MLAAttention.__init__ when the patch could not land: refuse explicit choices only."""
+
+    def guard(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        refuse(reason)  # raises when the configuration being built asks for a backend
+        wrapped(*args, **kwargs)
+
+    return guard
+
+
 def prefill_is_ours(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool:
     """use_flashinfer_prefill & co.: vLLM's own prefill paths are never taken."""
     return False
