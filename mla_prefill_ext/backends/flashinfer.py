@@ -192,11 +192,8 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
 
     @staticmethod
     def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
-        # [tokens, heads] base 2 -> [heads, tokens] natural log. Writing into a dense
-        # [heads, tokens] buffer makes the transpose and the scaling one kernel (an
-        # elementwise op on a transposed view would keep its strides and need a copy).
-        out = torch.empty(lse.shape[1], lse.shape[0], dtype=torch.float32, device=lse.device)
-        return torch.mul(lse.transpose(0, 1), LN2, out=out)
+        # [tokens, heads] base 2 -> [heads, tokens] natural log, dense for merge_attn_states.
+        return torch.mul(lse.transpose(0, 1), LN2).contiguous()
 
     def run_prefill_new_tokens(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool
