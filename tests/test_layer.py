@@ -215,3 +215,18 @@ def test_additional_config_choice_is_refused_when_the_patch_cannot_land(shim, cl
         mla_prefill_ext.deactivate()
         mla_prefill_ext.activate()
         assert patches.is_instrumented()
+
+
+def test_layer_builds_where_vllm_has_no_flash_attention(shim, clean_selection, model_dirs):
+    """ROCm without flash-attn, or a CPU build: vLLM 0.20's impl refuses to build; the portable
+    backend serves, and vLLM's module-level kernel reference is left as it was."""
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    saved = shim.flash_attn_varlen_func
+    shim.flash_attn_varlen_func = None
+    try:
+        layer = build(host.make_vllm_config(model_dirs["plain"]), None)
+        assert isinstance(layer.prefill_backend, TorchSDPAPrefillBackend)
+        assert shim.flash_attn_varlen_func is None
+    finally:
+        shim.flash_attn_varlen_func = saved
