@@ -82,41 +82,21 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
 
     import torch
 
-    m = p.metadata
     if name == "FLASH_ATTN":
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
         fa = functools.partial(flash_attn_varlen_func, fa_version=backend.fa_version)
-        ctx = m.chunked_context
         if backend.requires_v_padding:  # the kernel needs V at the qk head dim here
             pad = p.q.shape[-1] - p.v.shape[-1]
             p = copy.copy(p)
             p.v = torch.nn.functional.pad(p.v, [0, pad])
             chunk_q_k_v = (*chunk_q_k_v[:2], torch.nn.functional.pad(chunk_q_k_v[2], [0, pad]))
+        # The backend's own per-step kwargs (built in prepare_metadata): the same arguments.
+        new_kw, ctx_kw = backend._new_tokens_kwargs, backend._context_chunk_kwargs(0)
         return {
-            "new_tokens": lambda: fa(
-                q=p.q,
-                k=p.k,
-                v=p.v,
-                cu_seqlens_q=m.query_start_loc,
-                cu_seqlens_k=m.query_start_loc,
-                max_seqlen_q=m.max_query_len,
-                max_seqlen_k=m.max_query_len,
-                softmax_scale=backend.scale,
-                causal=True,
-                return_softmax_lse=False,
-            ),
+            "new_tokens": lambda: fa(q=p.q, k=p.k, v=p.v, **new_kw, return_softmax_lse=False),
             "context_chunk": lambda: fa(
-                q=chunk_q_k_v[0],
-                k=chunk_q_k_v[1],
-                v=chunk_q_k_v[2],
-                cu_seqlens_q=m.query_start_loc,
-                cu_seqlens_k=ctx.cu_seq_lens[0],
-                max_seqlen_q=m.max_query_len,
-                max_seqlen_k=ctx.max_seq_lens[0],
-                softmax_scale=backend.scale,
-                causal=False,
-                return_softmax_lse=True,
+                q=chunk_q_k_v[0], k=chunk_q_k_v[1], v=chunk_q_k_v[2], **ctx_kw, return_softmax_lse=True
             ),
         }
     if name == "FLASHINFER":
