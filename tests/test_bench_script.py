@@ -33,3 +33,35 @@ def test_kernel_bench_runs_on_cpu(tmp_path):
     assert ops == {("TORCH_SDPA", "new_tokens"), ("TORCH_SDPA", "context_chunk")}
     assert all(r["backend_tflops"] > 0 for r in data["kernel"])
     assert {s["automatic"] for s in data["selection"]} == {"TORCH_SDPA"}
+
+
+def test_report_rebuilds_the_recorded_h200_tables(tmp_path):
+    """docs/benchmarks.md's kernel tables come from the recorded run's log via `report`."""
+    recorded = ROOT / "docs" / "results" / "h200-2026-11-29"
+    out, md = tmp_path / "kernel.json", tmp_path / "tables.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_prefill.py"),
+            "report",
+            "--kernel-log",
+            str(recorded / "bench-kernel.log"),
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rebuilt = json.loads(out.read_text())
+    committed = json.loads((recorded / "bench-kernel.json").read_text())
+    assert rebuilt["kernel"] == committed["kernel"]
+    assert rebuilt["selection"] == committed["selection"]
+    assert "| new_tokens | 128,64,128 | 16 | 1x4096 | 645 / 629 (1.025)" in md.read_text()
+    assert (
+        "| new_tokens | 128,64,128 | 16 | 1x4096 | 645 / 629 (1.025)"
+        in (ROOT / "docs" / "benchmarks.md").read_text()
+    )
