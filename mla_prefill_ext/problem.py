@@ -51,13 +51,12 @@ class PrefillProblem:
             start += n
         return torch.cat(outs)
 
-    def flops(self, causal_new_tokens: bool = True) -> float:
-        """Attention FLOPs (QK^T and PV) the backend performs, counting the causal half."""
+    def flops(self, new_tokens: bool = True, context: bool = True) -> float:
+        """Attention FLOPs (QK^T and PV) of the new tokens (causal half) and/or the context."""
         d_qk, d_v, heads = self.q.shape[-1], self.v.shape[-1], self.q.shape[1]
         total = 0.0
         for n, c in zip(self.new_lens, self.context_lens, strict=True):
-            pairs = n * (n + 1) / 2 if causal_new_tokens else n * n
-            pairs += n * c
+            pairs = (n * (n + 1) / 2 if new_tokens else 0) + (n * c if context else 0)
             total += 2.0 * heads * pairs * (d_qk + d_v)
         return total
 

@@ -173,11 +173,7 @@ def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
         config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
         p = make_problem(case["new"], case["ctx"], 1, heads, *dims, device=device, seed=0)
         chunk = (p.q, p.chunk_k[0], p.chunk_v[0])
-        new_flops = p.flops() - sum(
-            2.0 * heads * n * c * (dims[0] + dims[1] + dims[2])
-            for n, c in zip(p.new_lens, p.context_lens, strict=True)
-        )
-        ctx_flops = p.flops() - new_flops
+        new_flops, ctx_flops = p.flops(context=False), p.flops(new_tokens=False)
         for name in names:
             cls = MLAPrefillBackendEnum[name].get_class()
             if cls.validate_configuration(cap, config):

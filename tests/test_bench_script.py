@@ -10,23 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_kernel_bench_runs_on_cpu(tmp_path):
-    out = tmp_path / "bench.json"
+def run_bench(*args: str) -> None:
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_prefill.py"),
-            "kernel",
-            "--rounds",
-            "1",
-            "--json",
-            str(out),
-        ],
+        [sys.executable, str(ROOT / "scripts" / "bench_prefill.py"), *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_kernel_bench_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    run_bench("kernel", "--rounds", "1", "--json", str(out))
     data = json.loads(out.read_text())
     assert data["environment"]["vllm"] == "0.20.2"
     ops = {(r["backend"], r["op"]) for r in data["kernel"]}
@@ -39,23 +35,15 @@ def test_report_rebuilds_the_recorded_h200_tables(tmp_path):
     """docs/benchmarks.md's kernel tables come from the recorded run's log via `report`."""
     recorded = ROOT / "docs" / "results" / "h200-2026-11-29"
     out, md = tmp_path / "kernel.json", tmp_path / "tables.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_prefill.py"),
-            "report",
-            "--kernel-log",
-            str(recorded / "bench-kernel.log"),
-            "--json",
-            str(out),
-            "--markdown",
-            str(md),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_bench(
+        "report",
+        "--kernel-log",
+        str(recorded / "bench-kernel.log"),
+        "--json",
+        str(out),
+        "--markdown",
+        str(md),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rebuilt = json.loads(out.read_text())
     committed = json.loads((recorded / "bench-kernel.json").read_text())
     assert rebuilt["kernel"] == committed["kernel"]
