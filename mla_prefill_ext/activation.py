@@ -47,7 +47,7 @@ def activate() -> None:
     global _active, _hook_registered
     if is_disabled():
         return
-    from mla_prefill_ext.patches import MLA_MODULE, skip
+    from mla_prefill_ext.patches import MLA_MODULE
     from mla_prefill_ext.patches.version import unsupported_reason
 
     with _LOCK:
@@ -56,6 +56,8 @@ def activate() -> None:
         _active = True
         reason = unsupported_reason()
         if reason is not None:
+            from mla_prefill_ext.patches import skip
+
             try:
                 skip(reason)  # says why now, and refuses an explicit choice in the environment
             except RuntimeError:
@@ -81,5 +83,5 @@ def deactivate() -> None:
     with _LOCK:
         _active = False
     module = sys.modules.get(patches.MLA_MODULE)
-    if module is not None:
-        patches.uninstrument(module)
+    if module is not None and "mla_prefill_ext.patches.instrumentor" in sys.modules:
+        patches.uninstrument(module)  # nothing to remove where the patch never loaded

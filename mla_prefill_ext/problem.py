@@ -61,6 +61,18 @@ class PrefillProblem:
         return total
 
 
+def kv_b_proj_tail(v: torch.Tensor, lead: int) -> torch.Tensor:
+    """``v`` laid out as vLLM hands it to prefill: the tail of kv_b_proj's per-head rows.
+
+    vLLM splits ``[k_nope | v]`` per head, so V is a strided view with ``lead`` columns in
+    front of it. They are NaN here: a backend that reads them (FLASH_ATTN's copy-free
+    widening of V) must keep them out of its result, and a test would see if it did not.
+    """
+    rows = torch.full((*v.shape[:-1], lead + v.shape[-1]), float("nan"), dtype=v.dtype, device=v.device)
+    rows[..., lead:] = v
+    return rows[..., lead:]
+
+
 def make_problem(
     new_lens: list[int],
     context_lens: list[int] | None = None,
@@ -130,6 +142,8 @@ def make_problem(
         q_data_type=dtype,
         output_dtype=dtype,
     )
+    v = kv_b_proj_tail(v, qk_nope_head_dim)
+    chunk_v = [kv_b_proj_tail(c, qk_nope_head_dim) for c in chunk_v]
     return PrefillProblem(
         q, k, v, chunk_k, chunk_v, metadata, list(new_lens), list(context_lens), full_k, full_v
     )

@@ -10,14 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_bench(*args: str) -> None:
+def run_bench(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_prefill.py"), *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == expect_rc, proc.stderr[-3000:]
+    return proc
 
 
 def test_kernel_bench_runs_on_cpu(tmp_path):
@@ -29,6 +30,14 @@ def test_kernel_bench_runs_on_cpu(tmp_path):
     assert ops == {("TORCH_SDPA", "new_tokens"), ("TORCH_SDPA", "context_chunk")}
     assert all(r["backend_tflops"] > 0 for r in data["kernel"])
     assert {s["automatic"] for s in data["selection"]} == {"TORCH_SDPA"}
+
+
+def test_kernel_bench_times_only_the_backends_asked_for(tmp_path):
+    out = tmp_path / "bench.json"
+    run_bench("kernel", "--rounds", "1", "--backends", "FLASH_ATTN", "--json", str(out))
+    assert json.loads(out.read_text())["kernel"] == []  # FLASH_ATTN cannot run on the CPU
+    proc = run_bench("kernel", "--backends", "FLASH_ATN", expect_rc=1)
+    assert "unknown backend(s) ['FLASH_ATN']" in proc.stderr
 
 
 def test_report_rebuilds_the_recorded_h200_tables(tmp_path):

@@ -272,3 +272,40 @@ def test_flashinfer_lse_conversion_is_natural_log_heads_first() -> None:
     out = FlashInferPrefillBackend._natural_lse(base2)
     assert out.shape == (5, 37) and out.is_contiguous()
     torch.testing.assert_close(out, natural.T.contiguous())
+
+
+def test_problem_hands_v_over_as_vllm_does() -> None:
+    p = make_problem([5, 3], [4, 0], 2, 2, 8, 4, 6)
+    for v in (p.v, *p.chunk_v):
+        assert v.stride(-1) == 1 and v.stride(-2) == 8 + 6 and v.storage_offset() == 8
+        assert torch.isfinite(v).all()
+        lead = v.as_strided((*v.shape[:-1], 8), v.stride(), 0)  # the k_nope columns before V
+        assert torch.isnan(lead).all()
+
+
+def test_widened_v_reads_back_into_the_row_without_copying() -> None:
+    from mla_prefill_ext.backends.flash_attn import widened_v
+
+    rows = torch.arange(3 * 2 * 24, dtype=torch.bfloat16).view(3, 2, 24)
+    v = rows[..., 16:]  # [k_nope(16) | v(8)]
+    wide = widened_v(v, 8)
+    assert wide is not None and wide.shape == (3, 2, 16)
+    assert wide.data_ptr() == rows[..., 8:].data_ptr()  # a view, no copy
+    torch.testing.assert_close(wide[..., 8:], v)
+    torch.testing.assert_close(wide, rows[..., 8:])
+
+
+@pytest.mark.parametrize(
+    ("make_v", "pad", "why"),
+    [
+        (lambda: torch.zeros(3, 2, 8, dtype=torch.bfloat16), 4, "no storage before V"),
+        (lambda: torch.zeros(3, 2, 16, dtype=torch.bfloat16)[..., 8:], 12, "fewer than pad elements before"),
+        (lambda: torch.zeros(3, 2, 16, dtype=torch.bfloat16)[..., 8:], 3, "base pointer off 16 bytes"),
+        (lambda: torch.zeros(3, 2, 19, dtype=torch.bfloat16)[..., 11:], 3, "row stride off 16 bytes"),
+        (lambda: torch.zeros(3, 8, 2, dtype=torch.bfloat16).transpose(1, 2), 4, "last dim not dense"),
+    ],
+)
+def test_widened_v_declines_what_fa_cannot_take(make_v, pad: int, why: str) -> None:
+    from mla_prefill_ext.backends.flash_attn import widened_v
+
+    assert widened_v(make_v(), pad) is None, why

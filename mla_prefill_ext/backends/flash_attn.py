@@ -46,14 +46,34 @@ def fa3_takes_head_dims(qk_head_dim: int, v_head_dim: int) -> bool:
     return (128 < qk_head_dim <= 192 and 96 < v_head_dim <= 128) or (qk_head_dim <= 64 and v_head_dim <= 512)
 
 
+def widened_v(v: torch.Tensor, pad: int) -> torch.Tensor | None:
+    """``v`` seen ``pad`` columns wider on the left, without a copy; None where it cannot be.
+
+    vLLM splits V off kv_b_proj's output right after k_nope (``[k_nope | v]`` per head), so
+    the ``pad`` elements before each V row are memory of the same buffer. Handing FA that
+    wider view replaces the zero-padded copy of V. Each output column depends only on the
+    same column of V, so whatever the extra columns hold stays in output columns the
+    backend drops. Needs: V's last dim dense, ``pad`` elements of storage before it, and
+    the 16-byte alignment FA3's TMA loads want (base pointer and strides).
+    """
+    if v.stride(-1) != 1 or v.storage_offset() < pad or v.dim() != 3:
+        return None
+    item = v.element_size()
+    if (v.data_ptr() - pad * item) % 16 or any((s * item) % 16 for s in v.stride()[:-1]):
+        return None
+    shape = (*v.shape[:-1], v.shape[-1] + pad)
+    return v.as_strided(shape, v.stride(), v.storage_offset() - pad)
+
+
 class FlashAttnPrefillBackend(MLAPrefillBackend):
     """FlashAttention varlen prefill.
 
     FA3 on Hopper and FA4 take qk head dim 192 with v head dim 128 natively (FA3 only
     within its ranges, see :func:`fa3_takes_head_dims`). FA2 (other architectures, the
-    upstream package) and FA3 outside those ranges need equal head dims: V is
-    zero-padded to the qk dim and the output sliced back, and made contiguous,
-    before it leaves the backend, so what the layer merges is never padded.
+    upstream package) and FA3 outside those ranges need equal head dims: V is widened
+    to the qk dim (in place where vLLM's layout allows, see :func:`widened_v`, else
+    zero-padded) and the output sliced back and made contiguous before it leaves the
+    backend, so what the layer merges is never padded.
     """
 
     hardware_note: ClassVar[str] = "H200 (SM90, FA3)"
@@ -154,14 +174,19 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     def _run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_lse: bool, kwargs: dict[str, Any]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        v_in = v
+        v_in, keep = v, slice(None)
         if self.requires_v_padding:
-            v_in = torch.nn.functional.pad(v, [0, q.shape[-1] - v.shape[-1]], value=0)
+            pad = q.shape[-1] - v.shape[-1]
+            widened = widened_v(v, pad)
+            if widened is not None:
+                v_in, keep = widened, slice(pad, None)
+            else:
+                v_in, keep = torch.nn.functional.pad(v, [0, pad], value=0), slice(None, v.shape[-1])
         ret = self._varlen(q=q, k=k, v=v_in, **kwargs, **{self._lse_flag: want_lse})
         out, lse = (ret[0], ret[1]) if isinstance(ret, tuple) else (ret, None)
         if self.requires_v_padding:
             # Slice here, inside the backend, and keep it dense for merge_attn_states.
-            out = out[..., : v.shape[-1]].contiguous()
+            out = out[..., keep].contiguous()
         if want_lse:
             return out, lse
         return out

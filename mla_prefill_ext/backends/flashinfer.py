@@ -193,7 +193,10 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     @staticmethod
     def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
         # [tokens, heads] base 2 -> [heads, tokens] natural log, dense for merge_attn_states.
-        return torch.mul(lse.transpose(0, 1), LN2).contiguous()
+        # Scaling the transposed view straight into a dense buffer is one kernel; scaling
+        # then .contiguous() was two, which showed on small context chunks (host-bound).
+        out = torch.empty((lse.shape[1], lse.shape[0]), dtype=lse.dtype, device=lse.device)
+        return torch.mul(lse.t(), LN2, out=out)
 
     def run_prefill_new_tokens(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool

@@ -5,9 +5,12 @@ Run on a CUDA machine: ``python -m pytest tests/gpu -m gpu``. Skipped elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from mla_prefill_ext.backends.flash_attn import widened_v
 from mla_prefill_ext.problem import make_problem, run_backend
 from mla_prefill_ext.reference import reference_attention
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
@@ -93,18 +96,31 @@ def test_context_chunks_merge_to_whole_sequence(name, dims, heads, shape):
     assert err <= tolerance(ref), err
 
 
-def test_flash_attn_padded_v_path_on_fa3():
-    """The FA2 path (V zero-padded, output sliced back, kept dense) run through FA3 kernels."""
+def test_flash_attn_padded_v_paths_on_fa3():
+    """The FA2 path run through FA3 kernels: V widened to the qk dim, output sliced back, dense.
+
+    Both ways of widening: in place over vLLM's ``[k_nope | v]`` rows (NaN in front of V in
+    the problem, so a leak would show) and a zero-padded copy where V is a dense tensor.
+    """
     heads, dims = 16, R1
     padded = make_backend("FLASH_ATTN", heads, dims)
     native = make_backend("FLASH_ATTN", heads, dims)
     assert native.requires_v_padding is False  # FA3 on Hopper takes qk 192 / v 128
     padded.requires_v_padding = True
     p = make_problem([700, 300], [900, 0], 2, heads, *dims, device="cuda", seed=3)
-    a, b = run_backend(padded, p), run_backend(native, p)
-    assert a.shape == b.shape and a.is_contiguous()
-    err = (a.float() - p.reference(SCALE, torch.float32)).abs().max().item()
-    assert err <= tolerance(b.float())
+    dense = dataclasses.replace(p, v=p.v.contiguous(), chunk_v=[c.contiguous() for c in p.chunk_v])
+    pad = dims[0] + dims[1] - dims[2]
+    assert widened_v(p.v, pad) is not None and widened_v(dense.v, pad) is None
+    in_place, zero_padded, ref_kernel = (
+        run_backend(padded, p),
+        run_backend(padded, dense),
+        run_backend(native, p),
+    )
+    ref = p.reference(SCALE, torch.float32)
+    for out in (in_place, zero_padded):
+        assert out.shape == ref_kernel.shape and out.is_contiguous() and torch.isfinite(out).all()
+        assert (out.float() - ref).abs().max().item() <= tolerance(ref_kernel.float())
+    torch.testing.assert_close(in_place, zero_padded, rtol=0, atol=0)  # same kernel, same math
 
 
 def test_flashinfer_matches_flash_attn_bitwise_on_hopper():
