@@ -2,9 +2,11 @@
 
 The entry point ``mla_prefill_ext = mla_prefill_ext:activate`` in the group
 ``vllm.general_plugins`` makes vLLM run it in the front end, the engine core and
-each worker before the model is built. Activation is cheap: it arms a ``wrapt``
-post-import hook, so the patch lands when vLLM's MLA module is imported, whether
-that happened before activation or happens after it.
+each worker before the model is built. Activation is cheap: it checks the vLLM
+version and arms a ``wrapt`` post-import hook, so the patch lands when vLLM's MLA
+module is imported, whether that happened before activation or happens after it.
+The patch's own modules load only then: processes that never import the MLA
+module (an API server front end, a model without MLA) never pay for them.
 """
 
 from __future__ import annotations

@@ -218,6 +218,16 @@ def test_vllm_plugin_loader_activates_before_import():
     assert "PATCHED True True" in patch_report(LOAD_PLUGINS)
 
 
+def test_patch_modules_load_only_with_the_mla_module():
+    """Activation alone (an API server, a model without MLA) loads none of the patch's modules."""
+    loaded = (
+        "import sys; print('LOADED', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.patches.')))"
+    )
+    out = patch_report(LOAD_PLUGINS, loaded)
+    assert "LOADED ['mla_prefill_ext.patches.layers', 'mla_prefill_ext.patches.version']" in out
+    assert "PATCHED True True" in out
+
+
 def test_activation_after_the_module_was_imported():
     assert "PATCHED True True" in patch_report(IMPORT_MLA, LOAD_PLUGINS)
 
