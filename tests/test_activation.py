@@ -221,7 +221,8 @@ def test_vllm_plugin_loader_activates_before_import():
 def test_patch_modules_load_only_with_the_mla_module():
     """Activation alone (an API server, a model without MLA) loads none of the patch's modules."""
     loaded = (
-        "import sys; print('LOADED', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.patches.')))"
+        "import sys; "
+        "print('LOADED', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.patches.')))"
     )
     out = patch_report(LOAD_PLUGINS, loaded)
     assert "LOADED ['mla_prefill_ext.patches.layers', 'mla_prefill_ext.patches.version']" in out
