@@ -229,6 +229,14 @@ def test_patch_modules_load_only_with_the_mla_module():
     assert "PATCHED True True" in out
 
 
+def test_lazy_patch_names_are_the_instrumentors_api():
+    from mla_prefill_ext.patches import instrumentor
+
+    assert patches._FROM_INSTRUMENTOR == set(instrumentor.__all__)
+    for name in patches.__all__:
+        assert getattr(patches, name) is not None
+
+
 def test_activation_after_the_module_was_imported():
     assert "PATCHED True True" in patch_report(IMPORT_MLA, LOAD_PLUGINS)
 

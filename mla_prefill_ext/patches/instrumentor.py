@@ -31,13 +31,14 @@ from mla_prefill_ext.patches.targets import (
 )
 from mla_prefill_ext.patches.version import SUPPORTED_VLLM
 
+# The package (patches/__init__.py) re-exports exactly these, lazily; a test keeps the two equal.
 __all__ = [
-    "MLA_MODULE",
     "SUPPORTED_VLLM",
     "PatchState",
     "instrument",
-    "skip",
     "is_instrumented",
+    "refuse_if_explicit",
+    "skip",
     "state",
     "uninstrument",
 ]
