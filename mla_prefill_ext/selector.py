@@ -34,9 +34,7 @@ if TYPE_CHECKING:
 
     from mla_prefill_ext.backends.base import MLAPrefillBackend
 
-BACKEND_ENV = "MLA_PREFILL_BACKEND"
-ADDITIONAL_CONFIG_KEY = "mla_prefill_backend"
-AUTO = "AUTO"
+from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
 
 
 class MLAPrefillSelectorConfig(NamedTuple):
@@ -51,14 +49,6 @@ class MLAPrefillSelectorConfig(NamedTuple):
     ) -> MLAPrefillSelectorConfig:
         dims = (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         return cls(dtype=dtype, is_r1_compatible=dims == R1_MLA_DIMS)
-
-
-class Choice(NamedTuple):
-    """A backend name the user asked for and where the request came from."""
-
-    name: str
-    source: str
-    explicit: bool  # False for legacy flags: those fall back instead of failing
 
 
 @dataclass
@@ -108,18 +98,9 @@ def mla_prefill_backend_priorities(
 
 def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
     """The user's choice in force, by precedence; None means automatic."""
-    additional = getattr(vllm_config, "additional_config", None) or {}
-    value = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
-    if value:
-        if str(value).upper() == AUTO:
-            return None
-        return Choice(str(value), f"additional_config['{ADDITIONAL_CONFIG_KEY}']", True)
-
-    value = os.environ.get(BACKEND_ENV, "").strip()
-    if value:
-        if value.upper() == AUTO:
-            return None
-        return Choice(value, BACKEND_ENV, True)
+    is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
+    if is_set:
+        return choice
 
     attention_config = getattr(vllm_config, "attention_config", None)
     if attention_config is None:

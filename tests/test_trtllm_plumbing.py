@@ -32,9 +32,8 @@ NUM_HEADS = 4
 @pytest.fixture(autouse=True)
 def small_workspace(clean_selection: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch = clean_selection
-    # A small workspace, and a private cache of them: the default is 394 MiB per device.
+    # A small workspace: the default is 394 MiB.
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(WORKSPACE_BYTES))
-    monkeypatch.setattr(trtllm_ragged, "_WORKSPACES", {})
     yield
 
 
@@ -246,15 +245,18 @@ def test_context_chunk_lse_is_heads_by_tokens(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(lse[:, 2:].double(), ref_lse, atol=1e-4, rtol=0)
 
 
-def test_one_workspace_per_device_sized_by_vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workspace_reserved_once_sized_by_vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
     problem = r1_problem([3], [5], num_chunks=1, dtype=torch.bfloat16)
     a = TrtllmRaggedPrefillBackend(NUM_HEADS, 0.1, 512, 128, 64, 128, None)
-    b = TrtllmRaggedPrefillBackend(NUM_HEADS, 0.1, 512, 128, 64, 128, None)
+    assert a._workspace_buffer is None  # the layers' own instances never allocate one
+    a.reserve_workspace(torch.device("cpu"))  # what the metadata builder does for its instance
+    reserved = a._workspace_buffer
+    assert reserved.numel() == WORKSPACE_BYTES
+    assert reserved.dtype == torch.uint8
+    assert not reserved.any()  # zeroed, as vLLM 0.20 gives this kernel
     a.prepare_metadata(problem.metadata)
-    b.prepare_metadata(problem.metadata)
-    assert a._workspace_buffer is b._workspace_buffer
-    assert a._workspace_buffer.numel() == WORKSPACE_BYTES
-    assert a._workspace_buffer.dtype == torch.uint8
+    a.prepare_metadata(problem.metadata)
+    assert a._workspace_buffer is reserved
 
 
 def test_context_chunk_without_chunked_context_raises(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend
+from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -155,15 +155,15 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     def _context_chunk_kwargs(self, chunk_idx: int) -> dict[str, Any]:
         kwargs = self._chunk_kwargs.get(chunk_idx)
         if kwargs is None:
-            m = self.prefill_metadata
-            ctx = m.chunked_context
-            if ctx is None:
+            chunks = context_chunks(self.prefill_metadata)
+            if chunk_idx >= len(chunks):
                 raise RuntimeError("FLASH_ATTN: a context chunk ran without chunked_context metadata")
+            chunk = chunks[chunk_idx]
             kwargs = dict(
-                cu_seqlens_q=m.query_start_loc,
-                cu_seqlens_k=ctx.cu_seq_lens[chunk_idx],
-                max_seqlen_q=m.max_query_len,
-                max_seqlen_k=ctx.max_seq_lens[chunk_idx],
+                cu_seqlens_q=chunk.query_start_loc,
+                cu_seqlens_k=chunk.cu_seq_lens,
+                max_seqlen_q=chunk.max_query_len,
+                max_seqlen_k=chunk.max_seq_len,
                 softmax_scale=self.scale,
                 causal=False,  # the context precedes every new token
                 **self._extra,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend
+from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks, host_query_start_loc
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -17,6 +16,11 @@ if TYPE_CHECKING:
 # FlashInfer's kernels (fa2, fa3 and the SM100 cutlass FMHA alike) return the LSE
 # in base 2; vLLM's merge_attn_states needs natural log.
 LN2 = math.log(2.0)
+
+# vLLM's FlashInfer attention backend under VLLM_BATCH_INVARIANT=1: a fixed split size,
+# no split-KV, and a larger workspace (vllm/v1/attention/backends/flashinfer.py).
+BATCH_INVARIANT_FIXED_SPLIT_SIZE = 4096
+BATCH_INVARIANT_WORKSPACE_BYTES = 2048 * 1024 * 1024
 
 
 class GlobalHyperparameters(NamedTuple):
@@ -38,45 +42,13 @@ def flashinfer_kernel_backend(device_capability: DeviceCapability | None) -> str
     return None
 
 
-class _SharedPlan:
-    """Wrappers and workspace shared by the FlashInfer backends of one model.
-
-    Every MLA layer owns a backend, but the plan depends only on the step's
-    metadata and the (global) hyperparameters, so it is made once per step and
-    shared, as vLLM 0.20's metadata builder did.
-    """
-
-    def __init__(self, kernel_backend: str) -> None:
-        self.kernel_backend = kernel_backend
-        self.workspace: torch.Tensor | None = None
-        self.main: Any = None
-        self.chunks: list[Any] = []
-        self.planned_for: Any = None
-
-    def _wrapper(self) -> Any:
-        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
-
-        assert self.workspace is not None
-        return BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.kernel_backend)
-
-    def ensure(self, device: torch.device, num_chunks: int) -> None:
-        if self.workspace is None:
-            import vllm.envs as envs
-
-            self.workspace = torch.empty(
-                envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, dtype=torch.uint8, device=device
-            )
-            self.main = self._wrapper()
-        while len(self.chunks) < num_chunks:
-            self.chunks.append(self._wrapper())
-
-
-_SHARED_PLANS: weakref.WeakValueDictionary[tuple, _SharedPlan] = weakref.WeakValueDictionary()
-
-
 class FlashInferPrefillBackend(MLAPrefillBackend):
     """FlashInfer ``BatchPrefillWithRaggedKVCacheWrapper``, planned in ``prepare_metadata``.
 
+    Each metadata builder's instance owns a workspace (allocated by
+    :meth:`reserve_workspace` when the builder is created, sized as vLLM 0.20 sizes
+    its own) and plans once per step from the host copies of the step's offsets: no
+    device-to-host read, so vLLM's asynchronous scheduling keeps the CPU ahead.
     The global hyperparameters (softmax scale, window, soft cap) are resolved on the
     first ``prepare_metadata`` from the MLA layers registered in the static forward
     context (not at construction, when the model's layers are not all built yet),
@@ -124,20 +96,30 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
         super().__init__(
             num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, vllm_config
         )
-        from mla_prefill_ext.selector import current_device_capability
+        from vllm.platforms import current_platform
 
-        kernel_backend = flashinfer_kernel_backend(current_device_capability()) or "fa3"
-        key = (id(vllm_config), kernel_backend, num_heads, self.qk_head_dim, v_head_dim)
-        shared = _SHARED_PLANS.get(key)
-        if shared is None:
-            shared = _SharedPlan(kernel_backend)
-            _SHARED_PLANS[key] = shared
-        self._shared = shared  # strong reference keeps the shared plan alive
+        self.kernel_backend = flashinfer_kernel_backend(current_platform.get_device_capability()) or "fa3"
+        import vllm.envs as envs
+
+        self._batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         self._global_hyperparameters: GlobalHyperparameters | None = None
+        self._workspace: torch.Tensor | None = None
+        self._main: Any = None
+        self._chunks: list[Any] = []
 
-    @property
-    def kernel_backend(self) -> str:
-        return self._shared.kernel_backend
+    def _wrapper(self) -> Any:
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+        return BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=self.kernel_backend)
+
+    def reserve_workspace(self, device: torch.device) -> None:
+        if self._workspace is None:
+            import vllm.envs as envs
+
+            size = envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE  # what vLLM 0.20's MLA builder takes
+            if self._batch_invariant:
+                size = max(size, BATCH_INVARIANT_WORKSPACE_BYTES)
+            self._workspace = torch.empty(size, dtype=torch.uint8, device=device)
 
     def _resolve_global_hyperparameters(self) -> GlobalHyperparameters:
         if self._global_hyperparameters is not None:
@@ -166,13 +148,13 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     def prepare_metadata(self, prefill_metadata: Any) -> None:
         super().prepare_metadata(prefill_metadata)
         hp = self._resolve_global_hyperparameters()
-        shared = self._shared
-        if shared.planned_for is prefill_metadata:
-            return  # another layer's backend planned this step already
-        ctx = prefill_metadata.chunked_context
-        num_chunks = 0 if ctx is None else int(ctx.cu_seq_lens.shape[0])
-        qo_indptr = prefill_metadata.query_start_loc
-        shared.ensure(qo_indptr.device, num_chunks)
+        self.reserve_workspace(prefill_metadata.query_start_loc.device)  # no-op once reserved
+        chunks = context_chunks(prefill_metadata)
+        if self._main is None:
+            self._main = self._wrapper()
+        while len(self._chunks) < len(chunks):
+            self._chunks.append(self._wrapper())
+        qo_indptr = host_query_start_loc(prefill_metadata)  # host copies: plan() syncs on device ones
         q_dtype = prefill_metadata.q_data_type or prefill_metadata.output_dtype
         common = dict(
             num_qo_heads=self.num_heads,
@@ -185,10 +167,14 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
             q_data_type=q_dtype,
             o_data_type=prefill_metadata.output_dtype,
         )
-        shared.main.plan(qo_indptr=qo_indptr, kv_indptr=qo_indptr.clone(), causal=True, **common)
-        for i in range(num_chunks):
-            shared.chunks[i].plan(qo_indptr=qo_indptr, kv_indptr=ctx.cu_seq_lens[i], causal=False, **common)
-        shared.planned_for = prefill_metadata
+        if self._batch_invariant:
+            common["fixed_split_size"] = BATCH_INVARIANT_FIXED_SPLIT_SIZE
+            common["disable_split_kv"] = True
+        self._main.plan(qo_indptr=qo_indptr, kv_indptr=qo_indptr, causal=True, **common)
+        for chunk in chunks:
+            self._chunks[chunk.index].plan(
+                qo_indptr=qo_indptr, kv_indptr=chunk.cu_seq_lens_cpu, causal=False, **common
+            )
 
     @staticmethod
     def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -201,9 +187,7 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     def run_prefill_new_tokens(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self._shared.planned_for is not self.prefill_metadata:
-            self.prepare_metadata(self.prefill_metadata)
-        ret = self._shared.main.run(q, k, v, return_lse=return_softmax_lse)
+        ret = self._main.run(q, k, v, return_lse=return_softmax_lse)
         if return_softmax_lse:
             out, lse = ret
             return out, self._natural_lse(lse)
@@ -212,7 +196,5 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     def run_prefill_context_chunk(
         self, chunk_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._shared.planned_for is not self.prefill_metadata:
-            self.prepare_metadata(self.prefill_metadata)
-        out, lse = self._shared.chunks[chunk_idx].run(q, k, v, return_lse=True)
+        out, lse = self._chunks[chunk_idx].run(q, k, v, return_lse=True)
         return out, self._natural_lse(lse)

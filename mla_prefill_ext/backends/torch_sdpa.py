@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend
+from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks, host_query_start_loc
 
 
 def _flash_with_lse(
@@ -58,15 +58,9 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:
         super().prepare_metadata(prefill_metadata)
-        # One device->host copy per step, here rather than per layer and call.
-        self._q_bounds = prefill_metadata.query_start_loc.tolist()
-        ctx = prefill_metadata.chunked_context
-        self._chunk_bounds: list[list[int]] = []
-        if ctx is not None:
-            lens = torch.as_tensor(ctx.seq_lens).to("cpu", torch.int64)
-            cu = torch.zeros(lens.shape[0], lens.shape[1] + 1, dtype=torch.int64)
-            torch.cumsum(lens, dim=1, out=cu[:, 1:])
-            self._chunk_bounds = cu.tolist()
+        # Sequence bounds from the host copies: no device read in the step path.
+        self._q_bounds = host_query_start_loc(prefill_metadata).tolist()
+        self._chunk_bounds = [c.cu_seq_lens_cpu.tolist() for c in context_chunks(prefill_metadata)]
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, want_lse: bool

@@ -11,23 +11,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend
+from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
 
 if TYPE_CHECKING:
     from vllm.platforms.interface import DeviceCapability
-
-_WORKSPACES: dict[torch.device, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device) -> torch.Tensor:
-    """One workspace per device for all layers (the layers run one after another)."""
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        import vllm.envs as envs
-
-        ws = torch.zeros(envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, dtype=torch.uint8, device=device)
-        _WORKSPACES[device] = ws
-    return ws
 
 
 class TrtllmRaggedPrefillBackend(MLAPrefillBackend):
@@ -57,11 +44,26 @@ class TrtllmRaggedPrefillBackend(MLAPrefillBackend):
     def unavailable_reason(cls) -> str:
         return "flashinfer.prefill.trtllm_ragged_attention_deepseek is not importable"
 
+    _workspace_buffer: torch.Tensor | None = None
+
+    def reserve_workspace(self, device: torch.device) -> None:
+        # One per metadata builder, sized and zeroed as vLLM 0.20's builder does for this kernel.
+        if self._workspace_buffer is None:
+            import vllm.envs as envs
+
+            self._workspace_buffer = torch.zeros(
+                envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, dtype=torch.uint8, device=device
+            )
+
     def prepare_metadata(self, prefill_metadata: Any) -> None:
         super().prepare_metadata(prefill_metadata)
         loc = prefill_metadata.query_start_loc
-        self._query_seq_lens = loc[1:] - loc[:-1]
-        self._workspace_buffer = _workspace(loc.device)
+        self.reserve_workspace(loc.device)  # no-op once reserved
+        self._query_seq_lens = loc[1:] - loc[:-1]  # on the device: no host read
+        # The chunks' lengths live on the host; copy each once per step, not per layer.
+        self._chunk_seq_lens = [
+            c.seq_lens.to(loc.device, non_blocking=True) for c in context_chunks(prefill_metadata)
+        ]
 
     def _call(
         self,
@@ -122,19 +124,17 @@ class TrtllmRaggedPrefillBackend(MLAPrefillBackend):
     def run_prefill_context_chunk(
         self, chunk_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx = self.prefill_metadata.chunked_context
-        if ctx is None:
+        chunks = context_chunks(self.prefill_metadata)
+        if chunk_idx >= len(chunks):
             raise RuntimeError("TRTLLM_RAGGED: a context chunk ran without chunked_context metadata")
-        seq_lens = ctx.seq_lens[chunk_idx]
-        if seq_lens.device != q.device:
-            seq_lens = seq_lens.to(q.device, non_blocking=True)
+        chunk = chunks[chunk_idx]
         return self._call(
             q,
             k,
             v,
-            seq_lens=seq_lens,
-            max_kv_len=ctx.max_seq_lens[chunk_idx],
-            cum_seq_lens_kv=ctx.cu_seq_lens[chunk_idx],
+            seq_lens=self._chunk_seq_lens[chunk_idx],
+            max_kv_len=chunk.max_seq_len,
+            cum_seq_lens_kv=chunk.cu_seq_lens,
             causal=False,
             return_lse=True,
         )

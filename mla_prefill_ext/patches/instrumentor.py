@@ -12,7 +12,6 @@ engine fails at start with the reason rather than ignoring the choice.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -83,21 +82,16 @@ def _wrapper_table(module: ModuleType) -> list[tuple[str, Any]]:
 
 def _explicit_choice() -> str | None:
     """The user's explicit backend choice visible in this process, if any."""
-    from mla_prefill_ext.selector import ADDITIONAL_CONFIG_KEY, AUTO, BACKEND_ENV
+    from mla_prefill_ext.settings import explicit_choice
 
-    value = os.environ.get(BACKEND_ENV, "").strip()
-    if value and value.upper() != AUTO:
-        return f"{BACKEND_ENV}={value}"
     try:
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
     except ImportError:
-        return None
-    additional = getattr(config, "additional_config", None)
-    if isinstance(additional, dict) and str(additional.get(ADDITIONAL_CONFIG_KEY, AUTO)).upper() != AUTO:
-        return f"additional_config['{ADDITIONAL_CONFIG_KEY}']={additional[ADDITIONAL_CONFIG_KEY]}"
-    return None
+        config = None
+    choice = explicit_choice(getattr(config, "additional_config", None))
+    return f"{choice.source}={choice.name}" if choice else None
 
 
 def refuse_if_explicit(reason: str) -> None:
@@ -120,7 +114,7 @@ def skip(reason: str, module: ModuleType | None = None) -> None:
     built, and otherwise lets vLLM run untouched.
     """
     with _LOCK:
-        if reason != _STATE.skipped_reason:
+        if reason != _STATE.skipped_reason and _explicit_choice() is None:
             logger.warning(
                 "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
                 reason,

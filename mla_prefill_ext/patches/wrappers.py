@@ -37,8 +37,24 @@ def make_explicit_choice_guard(reason: str, refuse: Any) -> Any:
 
 
 def prefill_is_ours(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool:
-    """use_flashinfer_prefill & co.: vLLM's own prefill paths are never taken."""
+    """use_flashinfer_prefill & co.: vLLM's own prefill paths are never taken where the add-on serves.
+
+    On a platform where vLLM keeps its own prefill (see :mod:`scope`) they answer as stock.
+    """
+    from mla_prefill_ext.patches.scope import platform_reason
+
+    if platform_reason() is not None and _explicit() is None:
+        return wrapped(*args, **kwargs)
     return False
+
+
+def _explicit() -> Any:
+    from vllm.config import get_current_vllm_config_or_none
+
+    from mla_prefill_ext import settings
+
+    config = get_current_vllm_config_or_none()
+    return settings.explicit_choice(getattr(config, "additional_config", None))
 
 
 def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool:
@@ -46,8 +62,11 @@ def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, 
     from vllm.config import get_current_vllm_config_or_none
     from vllm.platforms import current_platform
 
+    from mla_prefill_ext.patches.scope import platform_reason
     from mla_prefill_ext.selector import get_mla_prefill_backend
 
+    if platform_reason() is not None and _explicit() is None:
+        return wrapped(*args, **kwargs)
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or not current_platform.is_device_capability_family(100):
         return False
@@ -61,12 +80,22 @@ def _unavailable_flash_attn(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+_LOGGED_STOCK_REASONS: set[str] = set()
+
+
 def make_impl_init_wrapper(mla_module: ModuleType) -> Any:
     def impl_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        from mla_prefill_ext.patches.scope import stock_reason
+
+        reason = stock_reason(instance, mla_module.MLACommonImpl, explicit=_explicit() is not None)
+        if reason is not None:
+            instance._mla_prefill_stock_reason = reason
+            wrapped(*args, **kwargs)
+            return
         # With vLLM's prefill choices answering False, 0.20's __init__ takes its
         # FlashAttention branch, which refuses to build when no FlashAttention is
-        # installed (CPU, ROCm without flash-attn) although that branch is dead
-        # here: give it a placeholder for the duration of the call.
+        # installed (CPU) although that branch is dead here: give it a placeholder
+        # for the duration of the call.
         missing_fa = getattr(mla_module, "flash_attn_varlen_func", None) is None
         if missing_fa:
             mla_module.flash_attn_varlen_func = _unavailable_flash_attn
@@ -83,31 +112,38 @@ def make_impl_init_wrapper(mla_module: ModuleType) -> Any:
 def bind_impl_to_backend(impl: Any) -> None:
     """Route the impl's two prefill hooks to the backend its layer owns.
 
-    The layer sets ``impl.prefill_backend`` right after building the impl; the
-    hooks look it up at call time. Backends return unpadded outputs, so 0.20's
+    The layer sets ``impl.prefill_backend`` right after building the impl. At call
+    time the hooks run the instance the metadata builder prepared for this step (one
+    per builder and distinct backend parameters, see ``builder_build``); a layer
+    whose step was prepared elsewhere (metadata built outside the patched builder)
+    prepares its own instance. Backends return unpadded outputs, so 0.20's
     ``_pad_v`` slicing in ``forward_mha`` is switched off.
     """
+    key: list[Any] = []
 
-    def backend_of() -> Any:
+    def runner(prefill: Any) -> Any:
         backend = getattr(impl, "prefill_backend", None)
         if backend is None:
             raise RuntimeError(
                 f"{type(impl).__name__} has no MLA prefill backend: it was not built by "
                 "an MLAAttention layer patched by mla-prefill-ext"
             )
+        runners = getattr(prefill, "mla_prefill_runners", None)
+        if runners is not None:
+            if not key:
+                key.append(backend.step_key)
+            prepared = runners.get(key[0])
+            if prepared is not None:
+                return prepared
+        if backend._prefill_metadata is not prefill:
+            backend.prepare_metadata(prefill)
         return backend
 
     def run_prefill_new_tokens(prefill: Any, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
-        backend = backend_of()
-        if backend._prefill_metadata is not prefill:
-            backend.prepare_metadata(prefill)  # metadata built outside the patched builder
-        return backend.run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        return runner(prefill).run_prefill_new_tokens(q, k, v, return_softmax_lse)
 
     def run_prefill_context_chunk(prefill: Any, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
-        backend = backend_of()
-        if backend._prefill_metadata is not prefill:
-            backend.prepare_metadata(prefill)
-        return backend.run_prefill_context_chunk(chunk_idx, q, k, v)
+        return runner(prefill).run_prefill_context_chunk(chunk_idx, q, k, v)
 
     impl._run_prefill_new_tokens = run_prefill_new_tokens
     impl._run_prefill_context_chunk = run_prefill_context_chunk
@@ -119,11 +155,25 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     wrapped(*args, **kwargs)
     from vllm.config import get_current_vllm_config
 
+    from mla_prefill_ext import settings
     from mla_prefill_ext.selector import get_mla_prefill_backend
 
     vllm_config = get_current_vllm_config()
-    backend_cls = get_mla_prefill_backend(vllm_config)
+    refuse_if_settings_differ(vllm_config)
     layer = instance
+    impl = getattr(layer, "impl", None)
+    stock = getattr(impl, "_mla_prefill_stock_reason", None)
+    if stock is not None:
+        layer.prefill_backend = None
+        if stock not in _LOGGED_STOCK_REASONS:
+            _LOGGED_STOCK_REASONS.add(stock)
+            logger.info(
+                "mla-prefill-ext leaves vLLM's own MLA prefill in place: %s. Set %s to choose a backend.",
+                stock,
+                settings.BACKEND_ENV,
+            )
+        return
+    backend_cls = get_mla_prefill_backend(vllm_config)
     layer.prefill_backend = backend_cls(
         num_heads=layer.num_heads,
         scale=layer.scale,  # the layer's scale is the only scale (YaRN mscale included)
@@ -133,40 +183,78 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         v_head_dim=layer.v_head_dim,
         vllm_config=vllm_config,
     )
-    impl = getattr(layer, "impl", None)
     if impl is not None and hasattr(impl, "_run_prefill_new_tokens"):
         impl.prefill_backend = layer.prefill_backend
     logger.debug("MLA layer %s owns %r", getattr(layer, "layer_name", "?"), layer.prefill_backend)
 
 
+def refuse_if_settings_differ(vllm_config: Any) -> None:
+    """Fail at start when this process's settings differ from those the engine was created with."""
+    from mla_prefill_ext import settings
+
+    additional = getattr(vllm_config, "additional_config", None)
+    stamp = additional.get(settings.STAMP_KEY) if isinstance(additional, dict) else None
+    problem = settings.mismatch(stamp)
+    if problem is not None:
+        raise RuntimeError(f"mla-prefill-ext: {problem}.")
+
+
+def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
 def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-    """MLACommonMetadataBuilder.__init__: remember the KV-cache group's layers."""
+    """MLACommonMetadataBuilder.__init__: its own backend instances, workspaces reserved now.
+
+    Stock vLLM allocates its prefill workspaces here, before the KV cache is sized;
+    so does the add-on (``reserve_workspace``). Each builder gets its own instances,
+    so the two builders of dual-batch overlap never share per-step state.
+    """
     wrapped(*args, **kwargs)
-    layer_names = kwargs.get("layer_names", args[1] if len(args) > 1 else None)
-    instance._mla_prefill_layer_names = list(layer_names or [])
-    instance._mla_prefill_backends = None  # resolved on the first build: layers exist by then
+    instance._mla_prefill_layer_names = list(_arg(args, kwargs, "layer_names", 1) or [])
+    instance._mla_prefill_runners = None
+    _runners(instance)
 
 
-def _group_backends(builder: Any) -> list[Any]:
-    backends = builder._mla_prefill_backends
-    if backends is None:
-        context = builder.vllm_config.compilation_config.static_forward_context
-        seen: set[int] = set()
-        backends = []
-        for name in builder._mla_prefill_layer_names:
-            backend = getattr(context.get(name), "prefill_backend", None)
-            if backend is not None and id(backend) not in seen:
-                seen.add(id(backend))
-                backends.append(backend)
-        builder._mla_prefill_backends = backends
-    return backends
+def _runners(builder: Any) -> dict[Any, Any] | None:
+    """One prepared instance per distinct backend parameters among the builder's layers.
+
+    None while the layers are not built yet (resolved again on the next build).
+    """
+    runners = builder._mla_prefill_runners
+    if runners is not None:
+        return runners
+    context = builder.vllm_config.compilation_config.static_forward_context
+    layers = [context.get(name) for name in builder._mla_prefill_layer_names]
+    if not any(layer is not None for layer in layers):
+        return None
+    runners = {}
+    for layer in layers:
+        backend = getattr(layer, "prefill_backend", None)
+        if backend is not None and backend.step_key not in runners:
+            runner = backend.clone()
+            runner.reserve_workspace(builder.device)
+            runners[backend.step_key] = runner
+    builder._mla_prefill_runners = runners
+    return runners
 
 
 def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    """MLACommonMetadataBuilder.build: hand the prefill metadata to the group's backends."""
+    """MLACommonMetadataBuilder.build: prepare this step once, for every layer of the group."""
     metadata = wrapped(*args, **kwargs)
     prefill = getattr(metadata, "prefill", None)
-    if prefill is not None and hasattr(instance, "_mla_prefill_layer_names"):
-        for backend in _group_backends(instance):
-            backend.prepare_metadata(prefill)
+    if prefill is None or not hasattr(instance, "_mla_prefill_layer_names"):
+        return metadata
+    runners = _runners(instance)
+    if not runners:
+        return metadata
+    common = _arg(args, kwargs, "common_attn_metadata", 1)
+    host = getattr(common, "query_start_loc_cpu", None)
+    if host is not None:
+        # The prefills follow the decodes; vLLM builds the device tensor the same way.
+        start = metadata.num_decodes
+        prefill.query_start_loc_cpu = host[start:] - host[start]
+    prefill.mla_prefill_runners = runners
+    for runner in runners.values():
+        runner.prepare_metadata(prefill)
     return metadata

@@ -1,0 +1,140 @@
+"""The user's settings, their one parser, and how they reach every vLLM process.
+
+Three environment variables carry everything a process needs to know:
+``MLA_PREFILL_BACKEND`` (the choice), ``MLA_PREFILL_BACKEND_OVERRIDES`` (the
+registrations, mirrored by the registry) and ``MLA_PREFILL_EXT_DISABLE``. vLLM's
+forked or spawned engine core and workers inherit them. Ray actors do not: vLLM
+copies to them only the variables in its own list (``vllm/ray/ray_env.py``), so
+:func:`ask_vllm_to_copy_to_ray` adds ours to that list
+(``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``), which vLLM applies in every Ray worker, on
+every node, before it loads plugins there.
+
+``additional_config["mla_prefill_backend"]`` travels inside vLLM's engine
+configuration by itself. Beside it, the process that creates the engine
+configuration stamps its settings (:func:`snapshot`) under
+``additional_config["mla_prefill_ext"]``, so that a process whose own settings
+differ (a node started by hand) refuses at start (:func:`mismatch`).
+
+No vLLM or torch import here: activation and the CLI read this module first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+BACKEND_ENV = "MLA_PREFILL_BACKEND"
+OVERRIDES_ENV = "MLA_PREFILL_BACKEND_OVERRIDES"
+DISABLE_ENV = "MLA_PREFILL_EXT_DISABLE"
+ENV_VARS = (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)
+
+ADDITIONAL_CONFIG_KEY = "mla_prefill_backend"
+STAMP_KEY = "mla_prefill_ext"
+AUTO = "AUTO"
+
+RAY_COPY_LIST_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+class Choice(NamedTuple):
+    """A backend name the user asked for and where the request came from."""
+
+    name: str
+    source: str
+    explicit: bool  # False for legacy flags: those fall back instead of failing
+
+
+def parse_choice(value: Any, source: str) -> Choice | None:
+    """The one parser of a backend choice; None means automatic selection.
+
+    Unset, ``None``, an empty or blank string and ``auto`` (any case) are automatic;
+    any other string is an explicit choice (validated by the selector). Anything
+    else is a TypeError naming the source.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{source} must be a backend name string (or 'auto'), not {type(value).__name__} {value!r}"
+        )
+    name = value.strip()
+    if not name or name.upper() == AUTO:
+        return None
+    return Choice(name, source, True)
+
+
+def user_setting(additional_config: Any = None) -> tuple[bool, Choice | None]:
+    """(whether the user set a choice, the explicit choice or None for automatic).
+
+    ``additional_config`` first, then the environment. A value of None or a blank
+    string counts as not set; ``auto`` is set and means automatic selection, so it
+    also silences vLLM 0.20's legacy flags.
+    """
+    value = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
+    if value is not None and not (isinstance(value, str) and not value.strip()):
+        return True, parse_choice(value, f"additional_config['{ADDITIONAL_CONFIG_KEY}']")
+    value = os.environ.get(BACKEND_ENV)
+    if value is not None and value.strip():
+        return True, parse_choice(value, BACKEND_ENV)
+    return False, None
+
+
+def explicit_choice(additional_config: Any = None) -> Choice | None:
+    """The user's explicit backend choice in force, or None (automatic, or nothing set)."""
+    return user_setting(additional_config)[1]
+
+
+def is_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in _TRUE
+
+
+def snapshot() -> dict[str, Any]:
+    """This process's settings, normalised, as the engine configuration carries them."""
+    choice = parse_choice(os.environ.get(BACKEND_ENV), BACKEND_ENV)
+    try:
+        overrides = json.loads(os.environ.get(OVERRIDES_ENV) or "{}")
+    except ValueError:
+        overrides = os.environ.get(OVERRIDES_ENV)
+    return {
+        BACKEND_ENV: choice.name.upper() if choice else AUTO,
+        OVERRIDES_ENV: overrides,
+        DISABLE_ENV: is_disabled(),
+    }
+
+
+def _as_env_value(name: str, value: Any) -> str:
+    if name == OVERRIDES_ENV:
+        return json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)
+    if name == DISABLE_ENV:
+        return "1" if value else "0"
+    return str(value)
+
+
+def mismatch(stamp: Any) -> str | None:
+    """Why this process's settings differ from the engine's stamped ones (None: they agree)."""
+    if not isinstance(stamp, dict):
+        return None
+    mine = snapshot()
+    wrong = [name for name in ENV_VARS if name in stamp and stamp[name] != mine[name]]
+    if not wrong:
+        return None
+    import socket
+
+    fixes = " ".join(f"{n}='{_as_env_value(n, stamp[n])}'" for n in wrong)
+    seen = ", ".join(f"{n}={mine[n]!r}" for n in wrong)
+    return (
+        f"this process (host {socket.gethostname()}, pid {os.getpid()}) has {seen}, but the engine "
+        f"was configured with {', '.join(f'{n}={stamp[n]!r}' for n in wrong)} where it was created. "
+        f"Set {fixes} in the environment of this node's vLLM processes (for a Ray cluster: of "
+        "`ray start` on this node, or let vLLM copy them, see the README's 'Multi-node and Ray')"
+    )
+
+
+def ask_vllm_to_copy_to_ray() -> None:
+    """Add our variables to vLLM's list of those it copies to Ray actors (idempotent)."""
+    listed = [v.strip() for v in os.environ.get(RAY_COPY_LIST_ENV, "").split(",") if v.strip()]
+    missing = [v for v in ENV_VARS if v not in listed]
+    if missing:
+        os.environ[RAY_COPY_LIST_ENV] = ",".join([*listed, *missing])

@@ -1,0 +1,411 @@
+"""Deployments: settings reach every process, platforms keep their own prefill, per-builder step state.
+
+All with vLLM 0.20.2's real objects on CPU (see tests/host.py for the device facts patched).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+from unittest import mock
+
+import host
+import pytest
+import torch
+
+from mla_prefill_ext import activation, settings
+
+SETTINGS = {settings.BACKEND_ENV, settings.OVERRIDES_ENV, settings.DISABLE_ENV}
+
+
+def build_layer(
+    cfg: Any, capability: tuple[int, int] | None, prefix: str = "model.layers.0.self_attn"
+) -> Any:
+    with host.gpu_view(capability):
+        return host.mla_layer(host.build_deepseek_attention(cfg, prefix=prefix))
+
+
+def make_builder(cfg: Any, layers: list[Any], capability: tuple[int, int] | None) -> Any:
+    from vllm.config import set_current_vllm_config
+
+    builder_cls = layers[0].attn_backend.get_builder_cls()
+    with host.gpu_view(capability), set_current_vllm_config(cfg):
+        return builder_cls(
+            layers[0].get_kv_cache_spec(cfg), [layer.layer_name for layer in layers], cfg, torch.device("cpu")
+        )
+
+
+def prefill_step(new_lens: list[int]) -> Any:
+    """vLLM's per-step common metadata for prefills without cached context."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=loc,
+        query_start_loc_cpu=loc.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(new_lens),
+        num_actual_tokens=int(loc[-1]),
+        max_query_len=max(new_lens),
+        max_seq_len=max(new_lens),
+        block_table_tensor=torch.zeros(len(new_lens), 8, dtype=torch.int32),
+        slot_mapping=torch.arange(int(loc[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+
+
+# --- One parser of the user's choice -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("additional", "env", "expected"),
+    [
+        ({}, None, (False, None)),
+        ({"mla_prefill_backend": None}, None, (False, None)),  # None: not set
+        ({"mla_prefill_backend": ""}, "flashinfer", (True, "flashinfer")),  # blank: not set
+        ({"mla_prefill_backend": "  "}, None, (False, None)),
+        ({"mla_prefill_backend": "auto"}, "FLASHINFER", (True, None)),  # auto is set: automatic
+        ({"mla_prefill_backend": "FLASH_ATTN"}, "FLASHINFER", (True, "FLASH_ATTN")),
+        ({}, "Auto", (True, None)),
+        ({}, " torch_sdpa ", (True, "torch_sdpa")),
+    ],
+)
+def test_one_parser_for_every_caller(clean_selection, additional, env, expected):
+    from mla_prefill_ext.patches import instrumentor
+    from mla_prefill_ext.selector import requested_choice
+
+    if env is not None:
+        clean_selection.setenv(settings.BACKEND_ENV, env)
+    is_set, choice = settings.user_setting(additional)
+    assert (is_set, choice.name if choice else None) == expected
+    config = mock.Mock(additional_config=additional, attention_config=None)
+    assert requested_choice(config) == choice
+    # The guard of an unpatchable vLLM refuses exactly what the selector would honour.
+    with mock.patch("vllm.config.get_current_vllm_config_or_none", return_value=config):
+        assert (instrumentor._explicit_choice() is not None) == (choice is not None)
+
+
+def test_a_choice_that_is_not_a_string_is_named():
+    with pytest.raises(TypeError, match=r"additional_config\['mla_prefill_backend'\].*int 3"):
+        settings.user_setting({"mla_prefill_backend": 3})
+
+
+# --- Settings reach Ray workers through vLLM's own copy list -------------------------------------
+
+
+def test_vllm_copies_every_setting_to_ray_workers(clean_selection):
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    clean_selection.delenv(settings.RAY_COPY_LIST_ENV, raising=False)
+    assert not SETTINGS & get_env_vars_to_copy()  # vLLM alone would not copy them
+    clean_selection.setenv(settings.BACKEND_ENV, "CUSTOM")
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "custom_backends.CountingBackend")
+    activation.activate()
+    copied = get_env_vars_to_copy(destination="workers")
+    assert SETTINGS <= copied
+    # What the Ray executor then sends each worker (vllm/v1/executor/ray_executor.py):
+    import os
+
+    sent = {name: os.environ[name] for name in copied if name in os.environ}
+    assert sent[settings.BACKEND_ENV] == "CUSTOM"
+    assert "custom_backends.CountingBackend" in sent[settings.OVERRIDES_ENV]
+
+
+def test_copy_list_is_extended_once_and_keeps_the_users_entries(clean_selection):
+    clean_selection.setenv(settings.RAY_COPY_LIST_ENV, "MY_VAR")
+    activation.activate()
+    activation.activate()
+    import os
+
+    listed = os.environ[settings.RAY_COPY_LIST_ENV].split(",")
+    assert listed[0] == "MY_VAR"
+    assert sorted(listed[1:]) == sorted(settings.ENV_VARS)
+
+
+def test_the_disable_switch_reaches_ray_workers_too():
+    """Disabled in the driver: the add-on does nothing there, but vLLM still copies the switch."""
+    from test_activation import run_python
+
+    result = run_python(
+        """
+        import mla_prefill_ext
+        mla_prefill_ext.activate()
+        from vllm.ray.ray_env import get_env_vars_to_copy
+        print("ACTIVE", mla_prefill_ext.activation.is_active())
+        print("COPIED", "MLA_PREFILL_EXT_DISABLE" in get_env_vars_to_copy())
+        """,
+        MLA_PREFILL_EXT_DISABLE="1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ACTIVE False" in result.stdout and "COPIED True" in result.stdout
+
+
+# --- The engine configuration carries a stamp; a process whose settings differ refuses -----------
+
+
+def test_engine_config_carries_the_settings_to_every_process(clean_selection, model_dirs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from mla_prefill_ext.patches import engine_config, wrappers
+
+    activation.activate()
+    assert engine_config.is_instrumented()
+    clean_selection.setenv(settings.BACKEND_ENV, "flashinfer")
+    user_additional = {"other": 1}
+    args = EngineArgs(
+        model=str(model_dirs["plain"]),
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        additional_config=user_additional,
+    )
+    from vllm.platforms import current_platform
+
+    # The unspecified platform has no device type either: one more device fact to supply.
+    with host.gpu_view((9, 0)), mock.patch.object(type(current_platform), "device_type", "cpu"):
+        cfg = args.create_engine_config()
+    assert user_additional == {"other": 1}  # the user's own dict is left as given
+    stamp = cfg.additional_config[settings.STAMP_KEY]
+    assert stamp[settings.BACKEND_ENV] == "FLASHINFER" and stamp[settings.DISABLE_ENV] is False
+    shipped = pickle.loads(pickle.dumps(cfg))  # as vLLM ships it to engine cores and workers
+    wrappers.refuse_if_settings_differ(shipped)  # same settings here: fine
+    # A worker on a node started without the variable:
+    clean_selection.delenv(settings.BACKEND_ENV)
+    with pytest.raises(RuntimeError) as e:
+        wrappers.refuse_if_settings_differ(shipped)
+    message = str(e.value)
+    assert "MLA_PREFILL_BACKEND='AUTO'" in message  # what it has
+    assert "Set MLA_PREFILL_BACKEND='FLASHINFER'" in message  # what to set there
+    assert "host " in message and "pid " in message
+
+
+def test_layer_build_refuses_when_settings_did_not_arrive(shim, clean_selection, model_dirs):
+    cfg = host.make_vllm_config(
+        model_dirs["plain"],
+        additional_config={settings.STAMP_KEY: {**settings.snapshot(), settings.BACKEND_ENV: "TORCH_SDPA"}},
+    )
+    with pytest.raises(RuntimeError, match="Set MLA_PREFILL_BACKEND='TORCH_SDPA'"):
+        build_layer(cfg, (9, 0))
+
+
+# --- Where the add-on takes over, and where vLLM keeps its own prefill ---------------------------
+
+
+def test_impl_classes_with_their_own_prefill_are_recognised():
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+    from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLAImpl
+    from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+
+    from mla_prefill_ext.patches.scope import own_prefill_method
+
+    assert own_prefill_method(FlashAttnMLAImpl, MLACommonImpl) is None
+    assert own_prefill_method(TritonMLAImpl, MLACommonImpl) is None  # its override calls vLLM's own
+    assert own_prefill_method(AiterMLAImpl, MLACommonImpl) == "AiterMLAImpl._flash_attn_varlen_diff_headdims"
+
+
+PLATFORMS = {
+    # name: (is_* flags, device capability)
+    "cuda-h200": ({"is_cuda": True}, (9, 0)),
+    "rocm-mi300": ({"is_rocm": True}, (9, 4)),
+    "xpu": ({"is_xpu": True}, None),
+}
+
+
+def platform_view(name: str):
+    from vllm.platforms import current_platform
+
+    flags, _ = PLATFORMS[name]
+    cls = type(current_platform)
+    patches = [mock.patch.object(cls, "is_unspecified", lambda self: False)]
+    patches += [mock.patch.object(cls, flag, lambda self: True) for flag in flags]
+    return patches
+
+
+def decision(name: str, explicit: bool) -> str | None:
+    from mla_prefill_ext.patches.scope import platform_reason
+
+    stack = platform_view(name)
+    for p in stack:
+        p.start()
+    try:
+        return None if explicit else platform_reason()
+    finally:
+        for p in reversed(stack):
+            p.stop()
+
+
+@pytest.mark.parametrize(("name", "served"), [("cuda-h200", True), ("rocm-mi300", False), ("xpu", False)])
+def test_platform_decision(name, served):
+    reason = decision(name, explicit=False)
+    assert (reason is None) == served, reason
+    if not served:
+        assert "has its own MLA prefill kernels" in reason
+    assert decision(name, explicit=True) is None  # an explicit choice is honoured where it can serve
+
+
+@pytest.fixture
+def stock_flash_attn(shim, monkeypatch) -> None:
+    """A platform whose vLLM build ships FlashAttention (the CPU box has none): stock init then runs."""
+    monkeypatch.setattr(shim, "flash_attn_varlen_func", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("name", ["rocm-mi300", "xpu"])
+def test_stock_prefill_stays_on_other_platforms(
+    shim, clean_selection, model_dirs, stock_flash_attn, name, addon_log, monkeypatch
+):
+    import logging
+
+    from mla_prefill_ext.patches import wrappers
+
+    monkeypatch.setattr(wrappers, "_LOGGED_STOCK_REASONS", set())
+    addon_logger = logging.getLogger("vllm.mla_prefill_ext")
+    level = addon_logger.level
+    addon_logger.setLevel(logging.INFO)  # the line is INFO; these tests run vLLM at WARNING
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    stack = platform_view(name)
+    for p in stack:
+        p.start()
+    try:
+        layer = build_layer(cfg, PLATFORMS[name][1])
+        # The legacy choice functions answer as stock there.
+        assert shim.use_flashinfer_prefill() is False
+    finally:
+        for p in reversed(stack):
+            p.stop()
+    assert layer.prefill_backend is None
+    impl = layer.impl
+    assert "has its own MLA prefill kernels" in impl._mla_prefill_stock_reason
+    assert "prefill_backend" not in vars(impl)
+    assert impl._run_prefill_new_tokens.__func__ is type(impl)._run_prefill_new_tokens_fa  # vLLM's own
+    addon_logger.setLevel(level)
+    infos = [r.getMessage() for r in addon_log]
+    assert any("leaves vLLM's own MLA prefill in place" in m for m in infos), infos
+
+
+def test_explicit_choice_is_honoured_on_rocm(shim, clean_selection, model_dirs, stock_flash_attn):
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    clean_selection.setenv(settings.BACKEND_ENV, "TORCH_SDPA")
+    stack = platform_view("rocm-mi300")
+    for p in stack:
+        p.start()
+    try:
+        layer = build_layer(host.make_vllm_config(model_dirs["plain"]), (9, 4))
+    finally:
+        for p in reversed(stack):
+            p.stop()
+    assert isinstance(layer.prefill_backend, TorchSDPAPrefillBackend)
+    assert layer.impl.prefill_backend is layer.prefill_backend
+
+
+def test_explicit_choice_that_cannot_serve_on_xpu_is_refused(
+    shim, clean_selection, model_dirs, stock_flash_attn
+):
+    clean_selection.setenv(settings.BACKEND_ENV, "FLASH_ATTN")
+    stack = platform_view("xpu")
+    for p in stack:
+        p.start()
+    try:
+        with pytest.raises(ValueError, match=r"FLASH_ATTN \(from MLA_PREFILL_BACKEND\) cannot serve"):
+            build_layer(host.make_vllm_config(model_dirs["plain"]), None)
+    finally:
+        for p in reversed(stack):
+            p.stop()
+
+
+# --- Per-builder step state: dual-batch overlap, one preparation per step, workspaces at start ----
+
+
+def test_micro_batch_builders_keep_their_own_step(shim, clean_selection, model_dirs):
+    from vllm.config import set_current_vllm_config
+
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    layers = [build_layer(cfg, None, f"model.layers.{i}.self_attn") for i in range(2)]
+    ubatch = [make_builder(cfg, layers, None), make_builder(cfg, layers, None)]  # as enable_dbo makes them
+    runners = [b._mla_prefill_runners for b in ubatch]
+    assert all(len(r) == 1 for r in runners)  # both layers share one parameter set
+    (r0,), (r1,) = (list(r.values()) for r in runners)
+    assert r0 is not r1 and r0 is not layers[0].prefill_backend
+
+    with host.gpu_view(None), set_current_vllm_config(cfg):
+        m0 = ubatch[0].build(0, prefill_step([5, 3]))
+        m1 = ubatch[1].build(0, prefill_step([7]))
+    # Both micro-batches were built before either ran (as DBO does): neither overwrote the other.
+    assert r0._prefill_metadata is m0.prefill and r1._prefill_metadata is m1.prefill
+
+    heads, qk, v_dim = 4, 192, 128
+    gen = torch.Generator().manual_seed(0)
+    for m, tokens in ((m0, 8), (m1, 7), (m0, 8)):  # interleaved, as the two micro-batch threads run
+        q, k = (torch.randn(tokens, heads, qk, generator=gen) for _ in range(2))
+        v = torch.randn(tokens, heads, v_dim, generator=gen)
+        with mock.patch.object(type(r0), "prepare_metadata") as prepare:
+            for layer in layers:
+                out = layer.impl._run_prefill_new_tokens(m.prefill, q, k, v, False)
+                assert out.shape == (tokens, heads, v_dim)
+        prepare.assert_not_called()  # no re-preparation when switching micro-batches
+
+
+def test_prepared_once_per_step_whatever_the_number_of_layers(shim, clean_selection, model_dirs):
+    from vllm.config import set_current_vllm_config
+
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    layers = [build_layer(cfg, None, f"model.layers.{i}.self_attn") for i in range(4)]
+    builder = make_builder(cfg, layers, None)
+    (runner,) = builder._mla_prefill_runners.values()
+    with (
+        mock.patch.object(type(runner), "prepare_metadata", autospec=True) as prepare,
+        host.gpu_view(None),
+        set_current_vllm_config(cfg),
+    ):
+        builder.build(0, prefill_step([5, 3]))
+    assert prepare.call_count == 1
+    for layer in layers:  # the layers' own instances are templates: never prepared
+        assert layer.prefill_backend._prefill_metadata is None
+
+
+def test_step_metadata_carries_host_offsets(shim, clean_selection, model_dirs):
+    from vllm.config import set_current_vllm_config
+
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    layer = build_layer(cfg, None)
+    builder = make_builder(cfg, [layer], None)
+    with host.gpu_view(None), set_current_vllm_config(cfg):
+        m = builder.build(0, prefill_step([5, 11, 3]))
+    host_loc = m.prefill.query_start_loc_cpu
+    assert host_loc.device.type == "cpu" and host_loc.tolist() == [0, 5, 16, 19]
+
+
+def test_flashinfer_workspace_is_reserved_when_the_builder_is_created(shim, clean_selection, model_dirs):
+    clean_selection.setenv(settings.BACKEND_ENV, "FLASHINFER")
+    clean_selection.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 20))
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    layers = [build_layer(cfg, (9, 0), f"model.layers.{i}.self_attn") for i in range(2)]
+    assert all(layer.prefill_backend._workspace is None for layer in layers)  # templates: no memory
+    builders = [make_builder(cfg, layers, (9, 0)) for _ in range(2)]
+    workspaces = [next(iter(b._mla_prefill_runners.values()))._workspace for b in builders]
+    assert all(w is not None and w.numel() == 1 << 20 and w.dtype == torch.uint8 for w in workspaces)
+    assert workspaces[0] is not workspaces[1]  # one per builder, as vLLM 0.20 allocates its own
+
+
+# --- activate() is all or nothing ---------------------------------------------------------------
+
+
+def test_failed_activation_can_be_retried(clean_selection, monkeypatch):
+    from mla_prefill_ext.patches import version
+
+    activation.deactivate()
+    try:
+        clean_selection.setenv(settings.BACKEND_ENV, "FLASH_ATTN")
+        monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
+        for _ in range(2):  # the second call must not silently succeed
+            with pytest.raises(RuntimeError, match="cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN"):
+                activation.activate()
+            assert not activation.is_active()
+    finally:
+        monkeypatch.undo()
+        activation.deactivate()
+        activation.activate()
+        assert activation.is_active()
