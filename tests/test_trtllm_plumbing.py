@@ -17,7 +17,6 @@ import pytest
 import torch
 from vllm.platforms.interface import DeviceCapability
 
-from mla_prefill_ext.backends import trtllm_ragged
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
 from mla_prefill_ext.reference import reference_attention

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
@@ -15,6 +16,63 @@ if TYPE_CHECKING:
 
 R1_MLA_DIMS = (128, 64, 128)
 """DeepSeek-R1/V3 MLA dims: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)."""
+
+
+class ContextChunk(NamedTuple):
+    """One context chunk of a prefill step, named as upstream vLLM (0.29+) names it.
+
+    ``cu_seq_lens_cpu`` is the host copy of ``cu_seq_lens``: plan from it, never from
+    the device tensor (reading a device tensor on the host stalls the CPU).
+    """
+
+    index: int
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    cu_seq_lens: torch.Tensor
+    cu_seq_lens_cpu: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+
+
+def host_query_start_loc(prefill_metadata: Any) -> torch.Tensor:
+    """The host copy of ``query_start_loc`` (int32, CPU).
+
+    The patched metadata builder attaches it from the host tensors it already has;
+    for metadata built elsewhere (tests, benchmarks) it is copied once, with a sync.
+    """
+    host = getattr(prefill_metadata, "query_start_loc_cpu", None)
+    if host is None:
+        host = prefill_metadata.query_start_loc.to("cpu")
+        prefill_metadata.query_start_loc_cpu = host
+    return host
+
+
+def context_chunks(prefill_metadata: Any) -> list[ContextChunk]:
+    """The step's context chunks (empty without cached context); host copies included."""
+    chunks = getattr(prefill_metadata, "mla_prefill_context_chunks", None)
+    if chunks is not None:
+        return chunks
+    ctx = prefill_metadata.chunked_context
+    chunks = []
+    if ctx is not None:
+        # seq_lens is [chunks, requests] on the host (vLLM computes it there).
+        lens = torch.as_tensor(ctx.seq_lens).to("cpu", torch.int32)
+        cu_cpu = torch.zeros(lens.shape[0], lens.shape[1] + 1, dtype=torch.int32)
+        torch.cumsum(lens, dim=1, out=cu_cpu[:, 1:])
+        for i in range(lens.shape[0]):
+            chunks.append(
+                ContextChunk(
+                    index=i,
+                    query_start_loc=prefill_metadata.query_start_loc,
+                    max_query_len=prefill_metadata.max_query_len,
+                    cu_seq_lens=ctx.cu_seq_lens[i],
+                    cu_seq_lens_cpu=cu_cpu[i],
+                    max_seq_len=int(ctx.max_seq_lens[i]),
+                    seq_lens=lens[i],
+                )
+            )
+    prefill_metadata.mla_prefill_context_chunks = chunks
+    return chunks
 
 
 class MLAPrefillBackend(ABC):
@@ -33,17 +91,24 @@ class MLAPrefillBackend(ABC):
     * The softmax scale is ``self.scale``: the owning layer's ``scale``, nothing
       else (for DeepSeek-V2/V3 it includes the YaRN mscale the model computes).
 
-    Life cycle: the layer builds the backend once; before each forward pass with
-    prefill tokens, the metadata builder calls :meth:`prepare_metadata` with vLLM's
-    ``MLACommonPrefillMetadata``; then the attention implementation calls
-    :meth:`run_prefill_new_tokens` (causal attention among the new tokens) and,
-    when requests have cached context, :meth:`run_prefill_context_chunk` once per
-    context chunk (non-causal attention of the new tokens over that chunk).
+    Life cycle: each MLA layer builds its backend once, with its own ``scale`` and
+    dims. Each vLLM metadata builder (one per KV-cache group, one more per micro-batch
+    with dual-batch overlap) makes one :meth:`clone` per distinct set of those
+    parameters, calls :meth:`reserve_workspace` on it at once (before vLLM sizes the
+    KV cache), and per step calls :meth:`prepare_metadata` on it once with vLLM's
+    ``MLACommonPrefillMetadata``. Every layer whose parameters are equal runs on that
+    prepared instance: :meth:`run_prefill_new_tokens` (causal attention among the
+    new tokens) and, when requests have cached context,
+    :meth:`run_prefill_context_chunk` once per context chunk (non-causal attention of
+    the new tokens over that chunk). So per-step work in ``prepare_metadata`` runs
+    once per step, whatever the number of layers, and never mixes micro-batches.
 
-    The prefill metadata fields a backend may read: ``query_start_loc`` (int32
-    ``[num_prefills + 1]`` on the device), ``max_query_len``, ``q_data_type``,
-    ``output_dtype`` and ``chunked_context`` (``cu_seq_lens[i]``,
-    ``max_seq_lens[i]``, ``seq_lens[i]`` for chunk ``i``).
+    The prefill metadata a backend may read: ``query_start_loc`` (int32
+    ``[num_prefills + 1]`` on the device) and its host copy
+    :func:`host_query_start_loc`, ``max_query_len``, ``q_data_type``,
+    ``output_dtype``, and the context chunks through :func:`context_chunks`. Never
+    read a device tensor on the host in the step path (``.item()``, ``.tolist()``,
+    ``.cpu()``): it stalls the CPU until the GPU catches up.
     """
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -91,12 +156,11 @@ class MLAPrefillBackend(ABC):
         """Every reason this backend cannot serve; empty when it can."""
         reasons: list[str] = []
         if not cls.supports_compute_capability(device_capability):
-            where = (
-                "no GPU (CPU or unknown platform)"
+            reasons.append(
+                "needs a GPU (this is a CPU or a platform that reports no compute capability)"
                 if device_capability is None
-                else f"compute capability {device_capability.major}.{device_capability.minor}"
+                else f"compute capability {device_capability.major}.{device_capability.minor} not supported"
             )
-            reasons.append(f"{where} not supported")
         if not cls.supports_dtype(selector_config.dtype):
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
             reasons.append(
@@ -129,6 +193,43 @@ class MLAPrefillBackend(ABC):
         self.v_head_dim = v_head_dim
         self.vllm_config = vllm_config
         self._prefill_metadata: Any = None
+        self._init_kwargs = dict(
+            num_heads=num_heads,
+            scale=scale,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            vllm_config=vllm_config,
+        )
+
+    def clone(self) -> MLAPrefillBackend:
+        """A fresh instance with the same parameters (as upstream vLLM 0.25+)."""
+        return type(self)(**self._init_kwargs)
+
+    @property
+    def step_key(self) -> Hashable:
+        """Instances with equal keys compute the same attention: one can run for all."""
+        kw = self._init_kwargs
+        return (
+            type(self),
+            kw["num_heads"],
+            float(kw["scale"]),
+            kw["kv_lora_rank"],
+            kw["qk_nope_head_dim"],
+            kw["qk_rope_head_dim"],
+            kw["v_head_dim"],
+            id(kw["vllm_config"]),
+        )
+
+    def reserve_workspace(self, device: torch.device) -> None:
+        """Allocate what every step needs (kernel workspaces), once.
+
+        Called on each builder's instance when vLLM creates the metadata builder, as
+        vLLM 0.20 allocates its own prefill workspaces, so that the memory is taken
+        before the KV cache is sized. Default: nothing to allocate.
+        """
+        return None
 
     @property
     def qk_head_dim(self) -> int:
