@@ -51,6 +51,35 @@ class PrefillProblem:
             start += n
         return torch.cat(outs)
 
+    def query_bounds(self) -> list[int]:
+        """Token offsets of the requests in ``q``/``k``/``v``: ``[0, n0, n0 + n1, ...]``."""
+        return [0, *torch.tensor(self.new_lens).cumsum(0).tolist()]
+
+    def chunk_bounds(self) -> list[list[int]]:
+        """Per context chunk, the offsets of the requests' keys in ``chunk_k[i]``/``chunk_v[i]``."""
+        ctx = self.metadata.chunked_context
+        return [] if ctx is None else ctx.cu_seq_lens.cpu().tolist()
+
+    def clone(self) -> PrefillProblem:
+        """A copy with fresh tensors in the same layouts (V stays a kv_b_proj tail); metadata shared."""
+
+        def copy_v(t: torch.Tensor) -> torch.Tensor:
+            lead = t.stride(-2) - t.shape[-1] if t.dim() == 3 and t.stride(-1) == 1 else 0
+            return kv_b_proj_tail(t.clone(), lead) if lead > 0 else t.clone()
+
+        return PrefillProblem(
+            self.q.clone(),
+            self.k.clone(),
+            copy_v(self.v),
+            [t.clone() for t in self.chunk_k],
+            [copy_v(t) for t in self.chunk_v],
+            self.metadata,
+            list(self.new_lens),
+            list(self.context_lens),
+            [t.clone() for t in self.full_k],
+            [t.clone() for t in self.full_v],
+        )
+
     def flops(self, new_tokens: bool = True, context: bool = True) -> float:
         """Attention FLOPs (QK^T and PV) of the new tokens (causal half) and/or the context."""
         d_qk, d_v, heads = self.q.shape[-1], self.v.shape[-1], self.q.shape[1]

@@ -39,6 +39,38 @@ def reference_attention(
     return torch.cat(outs).transpose(0, 1), torch.cat(lses)
 
 
+class ScaledReference:
+    """Float64 attention of one sequence at any softmax scale; the logits are computed once.
+
+    Same inputs, masking and math as :func:`reference_attention`, for callers that need the
+    reference at many scales (the conformance suite finds the scale a backend really uses).
+    It keeps all heads' float64 logits (``H x Lq x Lk``): for small problems.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        lq, lk = q.shape[0], k.shape[0]
+        qd, kd = q.to(dtype).transpose(0, 1), k.to(dtype).transpose(0, 1)
+        self.logits = torch.matmul(qd, kd.transpose(-1, -2))  # [H, Lq, Lk], unscaled
+        self.v = v.to(dtype).transpose(0, 1)
+        self.mask = (
+            torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1) if causal else None
+        )
+
+    def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """out ``[Lq, H, Dv]`` and LSE ``[H, Lq]`` (natural log) at ``scale``."""
+        s = self.logits * scale
+        if self.mask is not None:
+            s = s.masked_fill(self.mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), self.v).transpose(0, 1), torch.logsumexp(s, dim=-1)
+
+
 def merge_attn_states_torch(
     prefix_output: torch.Tensor,
     prefix_lse: torch.Tensor,
