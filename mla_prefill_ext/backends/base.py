@@ -85,9 +85,8 @@ class MLAPrefillBackend(ABC):
     * ``q`` and ``k``: ``[tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim]``.
     * ``v``: ``[tokens, num_heads, v_head_dim]``.
     * output: ``[tokens, num_heads, v_head_dim]`` (never padded: a backend that pads
-      V for its kernel slices the output back before returning it). The last dim has
-      unit stride; where an LSE is returned (a merge follows) the output may be a view
-      into a wider buffer, since ``merge_attn_states`` reads strided heads.
+      V for its kernel slices the output back before returning it) and contiguous:
+      vLLM 0.20's ``merge_attn_states`` reads both of its inputs with one head stride.
     * LSE: ``[num_heads, tokens]``, ``float32``, natural log (``merge_attn_states``
       uses ``exp``; FlashInfer's base-2 LSE is converted).
     * The softmax scale is ``self.scale``: the owning layer's ``scale``, nothing

@@ -72,8 +72,8 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     within its ranges, see :func:`fa3_takes_head_dims`). FA2 (other architectures, the
     upstream package) and FA3 outside those ranges need equal head dims: V is widened
     to the qk dim (in place where vLLM's layout allows, see :func:`widened_v`, else
-    zero-padded) and the output sliced back before it leaves the backend, so what the
-    layer merges is never padded (a strided view where a merge consumes it).
+    zero-padded) and the output sliced back and made contiguous before it leaves the
+    backend, so what the layer merges is never padded.
     """
 
     hardware_note: ClassVar[str] = "H200 (SM90, FA3)"
@@ -185,13 +185,12 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
         ret = self._varlen(q=q, k=k, v=v_in, **kwargs, **{self._lse_flag: want_lse})
         out, lse = (ret[0], ret[1]) if isinstance(ret, tuple) else (ret, None)
         if self.requires_v_padding:
-            # Slice here, inside the backend. With an LSE a merge follows, and vLLM's
-            # merge_attn_states reads strided heads (stock hands it the sliced view): no copy.
-            # Without one, forward_mha flattens the heads, which copies a strided view anyway:
-            # copy once here and keep the output dense.
-            out = out[..., keep]
-            if not want_lse:
-                out = out.contiguous()
+            # Slice here, inside the backend, and keep it dense. A view would save a copy only
+            # where a merge follows, and vLLM 0.20's merge_attn_states (CUDA and Triton) reads
+            # the suffix with the prefix's head stride: after two or more context chunks the
+            # prefix is a dense tensor while this view's heads are qk-wide, so the merge would
+            # read the wrong columns. Without a merge, forward_mha's flatten copies a view anyway.
+            out = out[..., keep].contiguous()
         if want_lse:
             return out, lse
         return out
