@@ -7,8 +7,11 @@ Public API (names as in later upstream vLLM)::
         get_mla_prefill_backend, activate, deactivate,
     )
 
-Importing the package is cheap: the API is loaded on first use, so that vLLM's
-plugin loader pays only for :func:`activate`.
+Importing the package is cheap and needs neither vLLM nor PyTorch: the API is
+loaded on first use, so that vLLM's plugin loader pays only for :func:`activate`.
+A name whose module needs a missing vLLM or PyTorch raises ModuleNotFoundError
+saying what is missing and which vLLM versions the add-on supports
+(``mla-prefill-ext info`` checks the whole installation).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from mla_prefill_ext.activation import activate, deactivate
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AutoSelectClaim": "mla_prefill_ext.backends.base",
     "MLAPrefillBackend": "mla_prefill_ext.backends.base",
     "MLAPrefillBackendEnum": "mla_prefill_ext.registry",
     "register_mla_prefill_backend": "mla_prefill_ext.registry",
@@ -29,6 +33,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AutoSelectClaim",
     "MLAPrefillBackend",
     "MLAPrefillBackendEnum",
     "MLAPrefillSelectorConfig",
@@ -39,16 +44,35 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
+    from mla_prefill_ext.backends.base import AutoSelectClaim, MLAPrefillBackend
     from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, get_mla_prefill_backend
+
+
+# The add-on's own dependencies come with vLLM: when one is missing, say so plainly.
+_HOST_MODULES = {"vllm": "vLLM", "torch": "PyTorch"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mla_prefill_ext' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = _HOST_MODULES.get((e.name or "").partition(".")[0])
+        if missing is None:
+            raise
+        from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+
+        raise ModuleNotFoundError(
+            f"mla_prefill_ext.{name} needs {missing}, which cannot be imported here ({e}). "
+            f"mla-prefill-ext is an add-on for vLLM (supported: vllm{SUPPORTED_VLLM}); install "
+            f"vLLM, which brings PyTorch: pip install 'vllm{SUPPORTED_VLLM}'. "
+            "Run `mla-prefill-ext info` to check the installation.",
+            name=e.name,
+        ) from None
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

@@ -53,7 +53,8 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
     def get_path(self) -> str:
         """The class path in force for this member (an override wins)."""
         with _LOCK:
-            path = _OVERRIDES.get(self.name, self.value)
+            # A registration by call wins over an installed entry point of the same name.
+            path = _OVERRIDES.get(self.name) or _ENTRY_POINTS.get(self.name, (self.value, None))[0]
         if not path:
             raise ValueError(
                 f"MLA prefill backend {self.name} must be registered before use: call "
@@ -65,7 +66,26 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
 
     def get_class(self) -> type[MLAPrefillBackend]:
         """Import and return the backend class (lazily: importing is deferred to here)."""
-        return load_backend_class(self.get_path(), self.name)
+        path = self.get_path()
+        cls = load_backend_class(path, self.name)
+        with _LOCK:
+            from_entry_point = self.name not in _OVERRIDES and self.name in _ENTRY_POINTS
+        if from_entry_point and cls.get_name() != self.name:
+            raise TypeError(
+                f"MLA prefill backend {self.name}: the entry point of package "
+                f"{_ENTRY_POINTS[self.name][1]} names '{path}', whose get_name() is "
+                f"'{cls.get_name()}': the entry point's name must be the backend's name"
+            )
+        return cls
+
+    def source(self) -> str:
+        """Where the class path in force comes from (for diagnostics)."""
+        with _LOCK:
+            if self.name in _OVERRIDES:
+                return "registered by call"
+            if self.name in _ENTRY_POINTS:
+                return f"entry point of package {_ENTRY_POINTS[self.name][1] or '?'}"
+        return "built-in" if self.value else "not registered"
 
     def is_overridden(self) -> bool:
         with _LOCK:
@@ -92,6 +112,9 @@ _LOCK = threading.RLock()
 # name -> class path. Keyed by name, not member, so the environment round-trip
 # and dynamically added members need no second lookup table.
 _OVERRIDES: dict[str, str] = {}
+# name -> (class path, distribution): installed backend packages (see mla_prefill_ext.discovery).
+# Not mirrored to the environment: each process discovers its own installed packages.
+_ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
 
 
 def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
@@ -135,7 +158,18 @@ def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
             f"MLA prefill backend {name}: '{class_path}' is {obj!r}, not a subclass of "
             "mla_prefill_ext.MLAPrefillBackend"
         )
+    missing = _abstract_methods(obj)
+    if missing:
+        raise TypeError(
+            f"MLA prefill backend {name}: '{class_path}' cannot be instantiated: it does not "
+            f"implement {', '.join(missing)}"
+        )
     return obj
+
+
+def _abstract_methods(cls: type) -> list[str]:
+    """The abstract methods a backend class leaves unimplemented (empty: it can be built)."""
+    return sorted(getattr(cls, "__abstractmethods__", ()))
 
 
 def _mirror_to_environment() -> None:
@@ -209,12 +243,40 @@ def _warn_if_main(name: str, class_path: str) -> None:
         )
 
 
-def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:
+def _validate_class_path(member: MLAPrefillBackendEnum, class_path: Any) -> None:
+    """A registered path names a module and a class in it; the import itself stays lazy."""
     if not isinstance(class_path, str) or not class_path:
         raise TypeError(
             f"MLA prefill backend {member.name}: class_path must be a non-empty string "
             f"'package.module.ClassName', got {class_path!r}"
         )
+    module_name, _, _ = class_path.rpartition(".")
+    if not module_name or not all(part.isidentifier() for part in class_path.split(".")):
+        raise ValueError(
+            f"MLA prefill backend {member.name}: class path '{class_path}' is not of the form "
+            "'package.module.ClassName' (the module that defines the class, a dot, then the "
+            "class name)"
+        )
+
+
+def _validate_backend_class(member: MLAPrefillBackendEnum, cls: Any) -> None:
+    """A decorated class must be a backend that can be instantiated: checked at decoration."""
+    from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+    if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
+        raise TypeError(
+            f"@register_mla_prefill_backend({member.name}) was applied to {cls!r}, which is not "
+            "a subclass of mla_prefill_ext.MLAPrefillBackend"
+        )
+    missing = _abstract_methods(cls)
+    if missing:
+        raise TypeError(
+            f"MLA prefill backend {member.name}: class {cls.__module__}.{cls.__qualname__} cannot "
+            f"be instantiated: it does not implement {', '.join(missing)}"
+        )
+
+
+def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:
     _warn_if_main(member.name, class_path)
     with _LOCK:
         _OVERRIDES[member.name] = class_path
@@ -243,17 +305,24 @@ def register_mla_prefill_backend(
     With ``class_path`` the registration happens now and a no-op decorator is
     returned; without it, a decorator is returned that registers the decorated
     class by ``f"{cls.__module__}.{cls.__qualname__}"`` and returns it unchanged.
-    The class is imported (and checked to be an :class:`MLAPrefillBackend`) when
-    it is first selected. Register before the engine starts: vLLM's child
-    processes receive the registration through the environment.
+
+    What can be checked at once is: a ``class_path`` without a module part
+    (``"Foo"``) is a ValueError; a decorated class that is not an
+    :class:`MLAPrefillBackend` subclass, or that leaves abstract methods
+    unimplemented, is a TypeError naming the class (and the methods). A class path
+    is imported (and checked the same way) only when it is first selected.
+    Register before the engine starts: vLLM's child processes receive the
+    registration through the environment.
     """
     member = _resolve_member(backend)
 
     if class_path is not None:
+        _validate_class_path(member, class_path)
         _set_override(member, class_path)
         return lambda cls: cls
 
     def decorator(cls: _T) -> _T:
+        _validate_backend_class(member, cls)
         _set_override(member, f"{cls.__module__}.{cls.__qualname__}")
         return cls
 
@@ -263,7 +332,37 @@ def register_mla_prefill_backend(
 def registered_backends() -> list[tuple[MLAPrefillBackendEnum, str | None]]:
     """Every member with the class path in force (None: CUSTOM-like, unregistered)."""
     with _LOCK:
-        return [(m, _OVERRIDES.get(m.name, m.value)) for m in MLAPrefillBackendEnum]
+        return [
+            (m, _OVERRIDES.get(m.name) or _ENTRY_POINTS.get(m.name, (m.value, None))[0])
+            for m in MLAPrefillBackendEnum
+        ]
+
+
+def register_entry_point(name: str, class_path: str, distribution: str | None) -> str | None:
+    """Register an installed backend package's entry point; the reason it cannot be, or None."""
+    if name in _BUILTIN_NAMES and name != "CUSTOM":
+        return (
+            f"an entry point cannot replace the built-in {name}; register an override by call "
+            "(register_mla_prefill_backend) if that is meant"
+        )
+    try:
+        with _LOCK:
+            member = _resolve_member(name)
+            _validate_class_path(member, class_path)
+            _ENTRY_POINTS[member.name] = (class_path, distribution)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    _clear_selector_cache()
+    if member.name in _OVERRIDES:
+        logger.info(
+            "MLA prefill backend %s: the registration by call (%s) wins over the entry point of %s.",
+            member.name,
+            _OVERRIDES[member.name],
+            distribution,
+        )
+    else:
+        logger.debug("MLA prefill backend %s installed by %s -> %s", member.name, distribution, class_path)
+    return None
 
 
 def _apply_environment() -> None:

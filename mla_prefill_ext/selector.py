@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.backends.base import R1_MLA_DIMS
-from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup
+from mla_prefill_ext.backends.base import R1_MLA_DIMS, AutoSelectClaim
+from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,10 +79,8 @@ def selector_config_for(vllm_config: VllmConfig) -> MLAPrefillSelectorConfig:
     return MLAPrefillSelectorConfig(dtype=dtype, is_r1_compatible=is_deepseek_r1_mla_compatible(vllm_config))
 
 
-def mla_prefill_backend_priorities(
-    capability: DeviceCapability | None,
-) -> list[MLAPrefillBackendEnum]:
-    """Automatic selection order for a device (first valid wins)."""
+def builtin_priorities(capability: DeviceCapability | None) -> list[MLAPrefillBackendEnum]:
+    """The built-in automatic selection order for a device (first valid wins)."""
     E = MLAPrefillBackendEnum
     if capability is None:  # CPU or a platform that reports no capability
         order = []
@@ -94,6 +92,47 @@ def mla_prefill_backend_priorities(
         order = [E.FLASH_ATTN]
     # The portable backend closes every list: slow on a GPU, but it always runs.
     return [*order, E.TORCH_SDPA]
+
+
+def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendEnum, AutoSelectClaim]]:
+    """Registered out-of-tree backends that claim a place in automatic selection on this device.
+
+    Backends registered by call (``CUSTOM`` or a new name) or installed through the
+    entry-point group; a class that does not load is left out, with a warning.
+    """
+    from mla_prefill_ext import discovery
+
+    discovery.discover()
+    found = []
+    for member, path in registered_backends():
+        if member.value is not None or not path:  # built-ins keep their own place
+            continue
+        try:
+            cls = member.get_class()
+        except (ImportError, TypeError, ValueError) as e:
+            _warn_unloadable_once(member.name, str(e))
+            continue
+        claim = AutoSelectClaim.of(getattr(cls, "auto_select_claim", None))
+        if claim is not None and claim.matches(capability):
+            found.append((member, claim))
+    return found
+
+
+@cache
+def _warn_unloadable_once(name: str, error: str) -> None:
+    logger.warning("MLA prefill backend %s is left out of automatic selection: %s", name, error)
+
+
+def mla_prefill_backend_priorities(
+    capability: DeviceCapability | None,
+) -> list[MLAPrefillBackendEnum]:
+    """Automatic selection order for a device (first valid wins), claims included."""
+    order = builtin_priorities(capability)
+    for member, claim in claims(capability):
+        names = [m.name for m in order]
+        at = names.index(claim.before) if claim.before in names else names.index("TORCH_SDPA")
+        order.insert(at, member)
+    return order
 
 
 def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
@@ -192,6 +231,14 @@ def _select_cached(
         where,
         _describe(capability, config),
     )
+    if selection.source == "automatic" and MLAPrefillBackendEnum[selection.name].value is None:
+        claim = AutoSelectClaim.of(getattr(selection.backend, "auto_select_claim", None))
+        logger.info(
+            "%s joined automatic selection by its claim (%s; before %s).",
+            selection.name,
+            ", ".join(claim.capabilities) if claim else "?",
+            claim.before if claim else "?",
+        )
     if selection.source == "automatic" and selection.name == "TORCH_SDPA" and capability is not None:
         logger.warning(
             "TORCH_SDPA was chosen automatically on a GPU: it is the portable, slow MLA "

@@ -54,8 +54,13 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
     from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
 
     def reset() -> None:
+        from mla_prefill_ext import discovery, registry
+
         for member in list(MLAPrefillBackendEnum):
             member.clear_override()
+        registry._ENTRY_POINTS.clear()
+        discovery._DISCOVERED = None
+        selector._warn_unloadable_once.cache_clear()
         selector.clear_cache()
         selector._warn_cudnn_once.cache_clear()
 

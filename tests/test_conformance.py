@@ -14,6 +14,7 @@ import conformance_mutants as mutants
 import pytest
 import torch
 
+from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.testing import PROPERTIES, assert_conformant, run_conformance
 
@@ -149,7 +150,7 @@ def test_example_backend_package_installs_and_conforms(
         cls = ep.load()
         assert Path(sys.modules[cls.__module__].__file__).is_relative_to(target)
         assert cls.get_name() == "EXAMPLE"
-        assert cls.auto_select_priority == {"capabilities": ["9.x", "cpu"], "before": "FLASH_ATTN"}
+        assert cls.auto_select_claim == AutoSelectClaim(("9.x", "cpu"), before="FLASH_ATTN")
         report = assert_conformant(cls, device="cpu", dtype=[torch.float32, torch.bfloat16])
         assert len(report.cases) == 8 and not report.skipped_cases
     finally:

@@ -75,6 +75,45 @@ def context_chunks(prefill_metadata: Any) -> list[ContextChunk]:
     return chunks
 
 
+class AutoSelectClaim(NamedTuple):
+    """Where an out-of-tree backend asks to join automatic selection.
+
+    ``capabilities``: where the claim holds: ``"9.0"`` (exact), ``"9.x"`` (a major
+    version), ``"cpu"`` (no GPU). ``before``: the built-in backend it goes in front
+    of; when that one is not in the device's list, it goes in front of the portable
+    ``TORCH_SDPA`` fallback. Honoured only for backends registered by call or
+    installed through the ``mla_prefill_ext.backends`` entry-point group, and only
+    when the user made no explicit choice; the backend's own
+    ``validate_configuration`` still decides whether it can serve.
+    """
+
+    capabilities: tuple[str, ...]
+    before: str = "FLASH_ATTN"
+
+    @classmethod
+    def of(cls, value: Any) -> AutoSelectClaim | None:
+        """Normalise a claim given as this tuple or a dict; None when there is none."""
+        if value is None or isinstance(value, AutoSelectClaim):
+            return value
+        if isinstance(value, dict):
+            caps = value.get("capabilities", ())
+            caps = (caps,) if isinstance(caps, str) else tuple(caps)
+            return cls(tuple(str(c) for c in caps), str(value.get("before", "FLASH_ATTN")))
+        raise TypeError(f"auto_select_claim must be an AutoSelectClaim or a dict, not {value!r}")
+
+    def matches(self, device_capability: DeviceCapability | None) -> bool:
+        for cap in self.capabilities:
+            spec = cap.strip().lower()
+            if device_capability is None:
+                if spec == "cpu":
+                    return True
+                continue
+            major, _, minor = spec.partition(".")
+            if major == str(device_capability.major) and minor in ("x", "*", str(device_capability.minor)):
+                return True
+        return False
+
+
 class MLAPrefillBackend(ABC):
     """One MLA prefill attention kernel, owned by one MLA attention layer.
 
@@ -123,6 +162,9 @@ class MLAPrefillBackend(ABC):
 
     hardware_note: ClassVar[str] = ""
     """Where the backend has been verified on real hardware (for the docs table)."""
+
+    auto_select_claim: ClassVar[AutoSelectClaim | dict[str, Any] | None] = None
+    """Out-of-tree backends: where to join automatic selection (see :class:`AutoSelectClaim`)."""
 
     @staticmethod
     @abstractmethod

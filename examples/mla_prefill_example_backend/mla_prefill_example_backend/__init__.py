@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mla_prefill_ext import MLAPrefillBackend, MLAPrefillBackendEnum
+from mla_prefill_ext import AutoSelectClaim, MLAPrefillBackend, MLAPrefillBackendEnum
 
 __version__ = "0.1.0"
 
@@ -40,9 +40,10 @@ class ExamplePrefillBackend(MLAPrefillBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
     hardware_note: ClassVar[str] = "CPU (conformance suite)"
 
-    # Where automatic selection should consider this backend. Placeholder: the shape of
-    # this claim is still being designed in mla-prefill-ext.
-    auto_select_priority: ClassVar[dict[str, Any]] = {"capabilities": ["9.x", "cpu"], "before": "FLASH_ATTN"}
+    # Join automatic selection in front of FLASH_ATTN on Hopper and on a CPU (honoured
+    # because the package is installed through the entry-point group; an explicit choice
+    # by the user still wins).
+    auto_select_claim: ClassVar[AutoSelectClaim] = AutoSelectClaim(("9.x", "cpu"), before="FLASH_ATTN")
 
     @staticmethod
     def get_name() -> str:

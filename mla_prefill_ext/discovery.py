@@ -1,0 +1,75 @@
+"""Backend packages: installing one is registering it.
+
+A package declares its backend in the entry-point group ``mla_prefill_ext.backends``::
+
+    [project.entry-points."mla_prefill_ext.backends"]
+    MY_PREFILL = "my_pkg.prefill:MyPrefillBackend"
+
+The entry's name is the name users select (and must equal the class's
+``get_name()``, checked when the class loads). Every process discovers the
+installed entries itself, as vLLM's own plugins do, so they are there on every node
+that has the package: nothing travels between processes. Discovery reads package
+metadata only; a class is imported when it is selected or inspected. A registration
+by call (:func:`register_mla_prefill_backend`) wins over an entry of the same name;
+entries cannot replace a built-in backend. A broken entry is recorded (``info``
+shows it) and never affects an engine that does not select it.
+"""
+
+from __future__ import annotations
+
+import threading
+from importlib.metadata import entry_points
+from typing import NamedTuple
+
+ENTRY_POINT_GROUP = "mla_prefill_ext.backends"
+
+
+class EntryPointStatus(NamedTuple):
+    name: str
+    value: str
+    distribution: str | None
+    class_path: str | None  # None when the entry is unusable
+    problem: str | None  # None: registered
+
+
+_LOCK = threading.Lock()
+_DISCOVERED: list[EntryPointStatus] | None = None
+
+
+def _class_path(value: str) -> str | None:
+    module, sep, attr = value.partition(":")
+    module, attr = module.strip(), attr.strip()
+    if not sep or not module or not attr or " " in attr:
+        return None
+    return f"{module}.{attr}"
+
+
+def discover(refresh: bool = False) -> list[EntryPointStatus]:
+    """Register every installed backend entry point once per process; the outcome of each."""
+    global _DISCOVERED
+    with _LOCK:
+        if _DISCOVERED is not None and not refresh:
+            return _DISCOVERED
+        from mla_prefill_ext import registry
+
+        found = list(entry_points(group=ENTRY_POINT_GROUP))
+        by_name: dict[str, list] = {}
+        for ep in found:
+            by_name.setdefault(ep.name, []).append(ep)
+        statuses = []
+        for name, eps in sorted(by_name.items()):
+            for ep in eps:
+                dist = getattr(getattr(ep, "dist", None), "name", None)
+                path = _class_path(ep.value)
+                problem = None
+                if len(eps) > 1:
+                    dists = {str(getattr(getattr(e, "dist", None), "name", "?")) for e in eps}
+                    others = ", ".join(sorted(dists))
+                    problem = f"declared by several packages ({others}); none is registered"
+                elif path is None:
+                    problem = f"value '{ep.value}' is not of the form 'package.module:ClassName'"
+                else:
+                    problem = registry.register_entry_point(name, path, dist)
+                statuses.append(EntryPointStatus(name, ep.value, dist, path, problem))
+        _DISCOVERED = statuses
+        return statuses
