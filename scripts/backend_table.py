@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Generates the README's backend table from the backend classes themselves.
 
-python scripts/backend_table.py          # print the table
-python scripts/backend_table.py --write  # rewrite it in README.md
-python scripts/backend_table.py --check  # exit 1 when README.md's copy is stale
+It imports vLLM and PyTorch: run it with the project's environment (scripts/setup.sh).
+
+.venv/bin/python scripts/backend_table.py          # print the table
+.venv/bin/python scripts/backend_table.py --write  # rewrite it in README.md
+.venv/bin/python scripts/backend_table.py --check  # exit 1 when README.md's copy is stale
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+WRITE_COMMAND = ".venv/bin/python scripts/backend_table.py --write"
 START, END = "<!-- backend-table:start -->", "<!-- backend-table:end -->"
 
 # Capabilities probed to describe where each backend runs (None: CPU / no GPU).
@@ -65,11 +69,24 @@ def main() -> int:
     group.add_argument("--write", action="store_true", help="rewrite the table in README.md")
     group.add_argument("--check", action="store_true", help="exit 1 when README.md's table is stale")
     args = parser.parse_args()
-    fresh = table()
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the add-on from this checkout, with any Python that has vLLM
+    try:
+        fresh = table()
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in ("vllm", "torch"):
+            raise
+        print(
+            f"scripts/backend_table.py needs vLLM and PyTorch, which this Python ({sys.executable}) "
+            f"cannot import ({e}). Run it with the project's environment, e.g. {WRITE_COMMAND} "
+            "(bash scripts/setup.sh creates .venv).",
+            file=sys.stderr,
+        )
+        return 2
     text = README.read_text()
     if args.check:
         if readme_copy(text) != fresh:
-            print("README.md's backend table is stale: run python scripts/backend_table.py --write")
+            print(f"README.md's backend table is stale: run {WRITE_COMMAND}")
             return 1
         return 0
     if args.write:

@@ -19,6 +19,7 @@ import pytest
 from logs import warnings_in
 
 from mla_prefill_ext import selector
+from mla_prefill_ext.backends.base import MLAPrefillBackend
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
@@ -26,6 +27,7 @@ from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.registry import (
     OVERRIDES_ENV,
     MLAPrefillBackendEnum,
+    load_backend_class,
     register_mla_prefill_backend,
     registered_backends,
 )
@@ -276,7 +278,6 @@ def test_new_member_survives_pickling() -> None:
         "mla_prefill_ext.backends.no_such_backend.Backend",
         "mla_prefill_ext.backends.torch_sdpa.NoSuchBackend",
         "custom_backends.Outer.NoSuchInner",
-        "NoDotsAtAll",
     ],
 )
 def test_bad_path_fails_at_get_class_with_import_error(path: str) -> None:
@@ -308,6 +309,14 @@ def test_import_error_inside_backend_module_is_reported(
     assert "mla_missing_kernel_library_xyz" in str(info.value)
 
 
+def test_path_without_a_module_from_the_environment_fails_at_get_class() -> None:
+    # Registration refuses such a path; one handed over in the environment is only
+    # applied, so loading it must still fail with a message naming it.
+    with pytest.raises(ImportError) as info:
+        load_backend_class("NoDotsAtAll", "CUSTOM")
+    assert "'NoDotsAtAll' is not of the form 'package.module.ClassName'" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "path", ["custom_backends.NotABackend", "custom_backends.NOT_A_CLASS", "collections.OrderedDict"]
 )
@@ -317,6 +326,78 @@ def test_non_backend_class_fails_with_type_error(path: str) -> None:
         E.CUSTOM.get_class()
     assert path in str(info.value)
     assert "MLAPrefillBackend" in str(info.value)
+
+
+# What registration checks at once
+
+
+@pytest.mark.parametrize("path", ["Foo", ".Foo", "pkg.", "pkg..Foo", "pkg.my-module.Foo", "pkg.Foo Bar"])
+def test_class_path_without_module_part_is_rejected_at_registration(path: str) -> None:
+    with pytest.raises(ValueError) as info:
+        register_mla_prefill_backend(E.CUSTOM, path)
+    assert f"'{path}'" in str(info.value)
+    assert "CUSTOM" in str(info.value)
+    assert "package.module.ClassName" in str(info.value)
+    assert not E.CUSTOM.is_overridden()
+    assert overrides_in_env() == {}
+
+
+def test_string_name_with_a_bad_path_adds_nothing_to_the_environment() -> None:
+    name = new_name()
+    with pytest.raises(ValueError, match="'Foo'"):
+        register_mla_prefill_backend(name, "Foo")
+    assert overrides_in_env() == {}
+
+
+@pytest.mark.parametrize("obj", [custom_backends.NotABackend, dict, custom_backends.NOT_A_CLASS, len])
+def test_decorating_something_that_is_not_a_backend_class_fails_at_once(obj: object) -> None:
+    with pytest.raises(TypeError) as info:
+        register_mla_prefill_backend(E.CUSTOM)(obj)  # type: ignore[arg-type]
+    assert repr(obj) in str(info.value)
+    assert "MLAPrefillBackend" in str(info.value)
+    assert "CUSTOM" in str(info.value)
+    assert not E.CUSTOM.is_overridden()
+    assert overrides_in_env() == {}
+
+
+def test_readme_decorator_example_without_its_methods_fails_at_decoration() -> None:
+    # The README's example, as a user would paste it before filling in the methods.
+    with pytest.raises(TypeError) as info:
+
+        @register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM)
+        class MyPrefill(MLAPrefillBackend): ...
+
+    message = str(info.value)
+    assert "MyPrefill" in message
+    assert "cannot be instantiated" in message
+    assert "get_name, run_prefill_context_chunk, run_prefill_new_tokens" in message
+    assert not E.CUSTOM.is_overridden()
+    assert overrides_in_env() == {}
+
+
+def test_decorated_class_missing_one_method_names_only_that_one() -> None:
+    class Partial(MLAPrefillBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "PARTIAL"
+
+        def run_prefill_new_tokens(self, q, k, v, return_softmax_lse):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    with pytest.raises(
+        TypeError, match=r"Partial cannot be instantiated: it does not implement run_prefill_context_chunk$"
+    ):
+        register_mla_prefill_backend("PARTIAL_" + new_name())(Partial)
+
+
+def test_abstract_class_registered_by_path_fails_when_loaded() -> None:
+    # Paths stay lazy: the same check runs when the class is first loaded.
+    path = "mla_prefill_ext.backends.base.MLAPrefillBackend"
+    register_mla_prefill_backend(E.CUSTOM, path)
+    with pytest.raises(TypeError) as info:
+        E.CUSTOM.get_class()
+    assert f"'{path}' cannot be instantiated" in str(info.value)
+    assert "run_prefill_new_tokens" in str(info.value)
 
 
 # Mirroring into the environment

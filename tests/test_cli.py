@@ -1,0 +1,429 @@
+"""The command line as a user runs it: in a subprocess, judged by its output and exit code.
+
+No command may answer with a Python traceback: missing dependencies, an unsupported vLLM,
+bad settings, bad flags and failing backends are findings or usage errors. Exit codes:
+0 all is well, 1 a problem found, 2 cannot check (or a bad flag, with the usage line).
+
+Without vLLM or PyTorch: a real virtual environment without vLLM would cost minutes to
+build, so those runs simulate one. A ``sitecustomize`` module, put first on PYTHONPATH
+in a temporary directory, installs a meta path finder that raises ModuleNotFoundError
+for the blocked top-level modules (``vllm``, ``torch``) and hides their distributions
+from ``importlib.metadata``, which is how a bare environment looks to the add-on. The
+same module can make the installed vLLM report another version (``vllm.__version__``
+and its metadata), to play an unsupported vLLM.
+
+Runs that import vLLM cost 5-10 s each on a small CPU machine; they are started
+together, in parallel, when the first test needs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mla_prefill_ext import __version__
+from mla_prefill_ext.cli import build_parser
+from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+
+ROOT = Path(__file__).resolve().parent.parent
+SUPPORTED = f"vllm{SUPPORTED_VLLM}"
+
+SITECUSTOMIZE = '''
+"""Test harness: hide modules (MLA_TEST_HIDE) or fake vLLM's version (MLA_TEST_VLLM_VERSION)."""
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import os
+import sys
+
+HIDDEN = {m for m in os.environ.get("MLA_TEST_HIDE", "").split(",") if m}
+FAKE_VLLM = os.environ.get("MLA_TEST_VLLM_VERSION")
+
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        if FAKE_VLLM and name == "vllm":
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            real_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                real_exec(module)
+                module.__version__ = FAKE_VLLM
+
+            spec.loader.exec_module = exec_module
+            return spec
+        return None
+
+
+sys.meta_path.insert(0, Finder())
+real_version = importlib.metadata.version
+
+
+def version(name):
+    if name.lower() in HIDDEN:
+        raise importlib.metadata.PackageNotFoundError(name)
+    if FAKE_VLLM and name.lower() == "vllm":
+        return FAKE_VLLM
+    return real_version(name)
+
+
+importlib.metadata.version = version
+'''
+
+# The README's decorator example, without the methods it elides.
+README_BACKEND = """
+from mla_prefill_ext import MLAPrefillBackend
+
+
+class MyPrefill(MLAPrefillBackend): ...
+"""
+
+BROKEN_BACKEND = """
+from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+
+class Broken(TorchSDPAPrefillBackend):
+    @staticmethod
+    def get_name():
+        return "BROKEN"
+
+    def run_prefill_new_tokens(self, q, k, v, return_softmax_lse):
+        raise RuntimeError("kernel exploded")
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for PYTHONPATH: the import simulation and two user backend modules."""
+    root = tmp_path_factory.mktemp("cli_harness")
+    (root / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (root / "readme_backend.py").write_text(README_BACKEND)
+    (root / "broken_backend.py").write_text(BROKEN_BACKEND)
+    return root
+
+
+def cli_env(harness: Path | None = None, **extra: str) -> dict[str, str]:
+    """This environment without the add-on's settings (and any from other tests), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLA_PREFILL", "MLA_TEST_"))}
+    if harness is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(harness), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, **extra}
+
+
+def start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return finish(start(["-m", "mla_prefill_ext", *args], env))
+
+
+def assert_no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
+    both = proc.stdout + proc.stderr
+    assert "Traceback" not in both, both[-4000:]
+
+
+# The runs that import vLLM, started together on first use (in parallel: ~5-10 s each).
+SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
+    # A user with several problems at once (info imports vLLM's MLA module: the costly runs).
+    "info_unsupported_vllm": (
+        ["info"],
+        {
+            "MLA_TEST_VLLM_VERSION": "0.21.0",
+            "MLA_PREFILL_BACKEND": "FLASH_ATTN",
+            "MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": oops',
+        },
+    ),
+    "info_bad_settings": (
+        ["info", "--json"],
+        {
+            "MLA_PREFILL_BACKEND": "nonsense",
+            "MLA_PREFILL_BACKEND_OVERRIDES": json.dumps(
+                {"CUSTOM": "readme_backend.MyPrefill", "MINE": "Foo", "1BAD": "a.B", "OTHER": 3}
+            ),
+        },
+    ),
+    "select_abstract": (
+        ["select", "--backend", "custom"],
+        {"MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": "readme_backend.MyPrefill"}'},
+    ),
+    "check_abstract": (
+        ["check", "--backend", "CUSTOM", "--repeat", "1"],
+        {"MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": "readme_backend.MyPrefill"}'},
+    ),
+    "check_unknown_backend": (["check", "--backend", "nope"], {}),
+    "check_broken": (
+        ["check", "--backend", "BROKEN", "--repeat", "1", "--json"],
+        {"MLA_PREFILL_BACKEND_OVERRIDES": '{"BROKEN": "broken_backend.Broken"}'},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def slow(harness: Path) -> Iterator[dict[str, Any]]:
+    procs = {
+        name: start(["-m", "mla_prefill_ext", *args], cli_env(harness, **extra))
+        for name, (args, extra) in SLOW_RUNS.items()
+    }
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    class Results(dict):
+        def __missing__(self, name: str) -> subprocess.CompletedProcess[str]:
+            results[name] = finish(procs[name])
+            return results[name]
+
+    try:
+        yield Results()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+# The command line itself (no vLLM needed: these are fast)
+
+
+def test_version() -> None:
+    proc = run("--version", env=cli_env())
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"mla-prefill-ext {__version__} (an add-on for {SUPPORTED})"
+
+
+def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
+    assert set(subparsers) == {"info", "select", "check"}
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings} has no help"
+        assert "shim" not in sub.format_help().lower()
+    assert "shim" not in parser.format_help().lower()
+    proc = run("check", "--help", env=cli_env())
+    assert proc.returncode == 0
+    for flag in ("--backend", "--device", "--dtype", "--repeat", "--seed", "--json"):
+        assert flag in proc.stdout
+    assert "timed runs after one warm-up run" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["check", "--repeat", "0"], "argument --repeat: expected a whole number of at least 1, got '0'"),
+        (["check", "--repeat", "many"], "argument --repeat"),
+        (["check", "--seed", "-1"], "argument --seed"),
+        (["check", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["select", "--capability", "99.9"], "argument --capability: expected a CUDA compute capability"),
+        (["select", "--capability", "9"], "argument --capability"),
+        (["select", "--capability", "0.5"], "argument --capability"),
+        (["select", "--dims", "0,0,0"], "argument --dims: expected 'r1' or three positive head dims"),
+        (["select", "--dims", "128,64"], "argument --dims"),
+        (["info", "--verbose"], "unrecognized arguments: --verbose"),
+        ([], "the following arguments are required"),
+    ],
+)
+def test_bad_flags_print_the_usage_line_and_exit_2(args: list[str], says: str) -> None:
+    proc = run(*args, env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("usage: mla-prefill-ext"), proc.stderr
+    assert says in proc.stderr
+    assert_no_traceback(proc)
+
+
+def test_check_on_cuda_without_a_gpu_is_a_usage_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    proc = run("check", "--device", "cuda", env=cli_env())
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: mla-prefill-ext check")
+    assert "argument --device: cuda was asked for, but PyTorch sees no CUDA GPU here" in proc.stderr
+    assert_no_traceback(proc)
+
+
+# Without vLLM or PyTorch (simulated: see the module docstring)
+
+
+@pytest.mark.parametrize("hidden", ["vllm,torch", "vllm"])
+def test_every_command_without_vllm_says_what_is_missing(harness: Path, hidden: str) -> None:
+    env = cli_env(harness, MLA_TEST_HIDE=hidden)
+    info = run("info", env=env)
+    assert info.returncode == 2, info.stdout + info.stderr
+    assert_no_traceback(info)
+    assert "vLLM: not installed" in info.stdout
+    assert f"vLLM is not installed: this add-on needs {SUPPORTED}." in info.stdout
+    assert ("PyTorch is not installed" in info.stdout) == ("torch" in hidden)
+    assert info.stdout.rstrip().splitlines()[-1].startswith("verdict: cannot check: install a supported vLLM")
+
+    if hidden == "vllm,torch":  # each run with PyTorch present pays for importing it: keep those few
+        report = json.loads(run("info", "--json", env=env).stdout)
+        assert report["verdict"] == "cannot check" and report["exit_code"] == 2
+        assert report["vllm_version"] is None and report["supported_range"] == SUPPORTED
+        assert any("vLLM is not installed" in f["message"] for f in report["findings"])
+
+    for command in ("select", "check") if hidden == "vllm,torch" else ("check",):
+        proc = run(command, env=env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert_no_traceback(proc)
+        assert f"mla-prefill-ext {command} cannot run here:" in proc.stdout
+        assert f"vLLM is not installed: this add-on needs {SUPPORTED}." in proc.stdout
+
+
+def test_importing_the_package_without_vllm(harness: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import mla_prefill_ext
+        print("imported", "vllm" in sys.modules, "torch" in sys.modules)
+        print("dir", "register_mla_prefill_backend" in dir(mla_prefill_ext))
+        for name in ("MLAPrefillBackend", "register_mla_prefill_backend"):
+            try:
+                getattr(mla_prefill_ext, name)
+                print(name, "ok")
+            except ModuleNotFoundError as e:
+                print(name, "missing", e.name, "|", e)
+        """
+    )
+    lines = {}
+    for hidden in ("vllm", "vllm,torch"):
+        proc = finish(start(["-c", code], cli_env(harness, MLA_TEST_HIDE=hidden)))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        lines[hidden] = proc.stdout.splitlines()
+    for out in lines.values():
+        assert out[:2] == ["imported False False", "dir True"]
+    # PyTorch present: the base class is all a backend author needs, and it loads.
+    assert lines["vllm"][2] == "MLAPrefillBackend ok"
+    assert lines["vllm"][3].startswith("register_mla_prefill_backend missing vllm |")
+    # Neither: each name says what is missing and which vLLM to install.
+    assert lines["vllm,torch"][2].startswith("MLAPrefillBackend missing torch | mla_prefill_ext.")
+    for line in (lines["vllm"][3], lines["vllm,torch"][2]):
+        assert f"pip install '{SUPPORTED}'" in line
+        assert "mla-prefill-ext info" in line
+
+
+def test_backend_table_script_without_vllm_says_which_python_to_use(harness: Path) -> None:
+    proc = finish(
+        start(
+            [str(ROOT / "scripts" / "backend_table.py"), "--check"],
+            cli_env(harness, MLA_TEST_HIDE="vllm,torch"),
+        )
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_no_traceback(proc)
+    assert "needs vLLM and PyTorch" in proc.stderr
+    assert ".venv/bin/python scripts/backend_table.py --write" in proc.stderr
+
+
+# info: the doctor
+
+
+def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -> None:
+    proc = slow["info_unsupported_vllm"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    out = proc.stdout
+    assert f"vLLM 0.21.0: NOT supported (the add-on supports {SUPPORTED})" in out
+    assert "add-on: not active (see the findings)" in out
+    assert "backend choice: FLASH_ATTN (from MLA_PREFILL_BACKEND)" in out
+    findings = [line for line in out.splitlines() if line.startswith("  PROBLEM  ") and "." in line]
+    assert any(f.startswith("  PROBLEM  vLLM 0.21.0 is not supported") for f in findings)
+    assert any(
+        f.startswith("  PROBLEM  mla-prefill-ext cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN")
+        for f in findings
+    )
+    assert any(f.startswith("  PROBLEM  MLA_PREFILL_BACKEND_OVERRIDES is not valid JSON") for f in findings)
+    assert all(f.endswith(".") for f in findings)  # findings are sentences
+    verdict = out.rstrip().splitlines()[-1]
+    assert verdict.startswith("verdict: ") and verdict.endswith(" problems found (see the findings).")
+    assert "shim" not in out.lower()
+    assert "(wrapped)" not in out  # targets say what the add-on does with them: "wraps" or "reads"
+    assert "  ok       wraps  MLAAttention.__init__" in out
+
+
+def test_info_reports_bad_settings_and_tries_every_registration(slow: dict[str, Any]) -> None:
+    proc = slow["info_bad_settings"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == "problem" and report["exit_code"] == 1
+    assert report["vllm_supported"] and report["patched"]
+    assert report["choice"]["requested"] == "nonsense" and report["choice"]["source"] == "MLA_PREFILL_BACKEND"
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["TORCH_SDPA"]["loads"] is True
+    assert backends["CUSTOM"]["loads"] is False
+    assert (
+        "does not implement get_name, run_prefill_context_chunk, run_prefill_new_tokens"
+        in (backends["CUSTOM"]["error"])
+    )
+    assert backends["MINE"]["loads"] is False
+    assert "'Foo' is not of the form 'package.module.ClassName'" in backends["MINE"]["error"]
+    messages = [f["message"] for f in report["findings"]]
+    assert messages[0].startswith("MLA_PREFILL_BACKEND is set to 'nonsense', which is not a backend name;")
+    assert any("entry '1BAD' is ignored" in m for m in messages)
+    assert any("entry 'OTHER' is ignored: its class path must be a string" in m for m in messages)
+    assert len(messages) == 5
+    assert all(m.endswith(".") for m in messages)
+
+
+# select and check
+
+
+def test_select_says_valid_only_for_a_backend_that_can_be_built(slow: dict[str, Any]) -> None:
+    proc = slow["select_abstract"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    custom = next(line for line in proc.stdout.splitlines() if line.strip().startswith("CUSTOM"))
+    assert "invalid: " in custom and "cannot be instantiated: it does not implement" in custom
+    assert "selected: none" in proc.stdout
+
+
+def test_check_never_crashes_on_a_backend_that_cannot_run(slow: dict[str, Any]) -> None:
+    proc = slow["check_abstract"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    assert proc.stdout.startswith("FAIL: MLA prefill backend CUSTOM (from --backend) cannot serve")
+    assert "does not implement get_name, run_prefill_context_chunk, run_prefill_new_tokens" in proc.stdout
+
+    proc = slow["check_unknown_backend"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    assert "usage: mla-prefill-ext check" in proc.stderr
+    assert (
+        "argument --backend: Unknown MLA prefill backend: 'nope'. Valid options are: FLASH_ATTN"
+        in proc.stderr
+    )
+
+    proc = slow["check_broken"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False and report["backend"] == "BROKEN"
+    assert report["error"] == "backend BROKEN failed: RuntimeError: kernel exploded (at broken_backend.py:11)"
