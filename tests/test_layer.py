@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -66,7 +70,8 @@ def test_flashinfer_hyperparameters_resolve_lazily(shim, clean_selection, model_
     assert first.prefill_backend._global_hyperparameters is None
     second = build(cfg, (9, 0), "model.layers.1.self_attn")
     assert first.prefill_backend.kernel_backend == "fa3"
-    assert first.prefill_backend._shared is second.prefill_backend._shared  # one plan per step
+    # Equal parameters: the metadata builder prepares one instance for both (one plan per step).
+    assert first.prefill_backend.step_key == second.prefill_backend.step_key
 
     hp = first.prefill_backend._resolve_global_hyperparameters()
     assert hp == GlobalHyperparameters(first.scale, -1, 0.0)
@@ -100,12 +105,32 @@ def make_builder(cfg: Any, layer: Any, capability: tuple[int, int] | None) -> An
         return builder_cls(layer.get_kv_cache_spec(cfg), [layer.layer_name], cfg, torch.device("cpu"))
 
 
-def prefill_batch(new_lens: list[int]) -> Any:
+def prefill_batch(
+    new_lens: list[int],
+    context_lens: list[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 16,
+) -> Any:
+    """vLLM's per-step metadata for prefills of ``new_lens`` tokens after ``context_lens`` cached ones.
+
+    Without a block table: one dummy table and consecutive slots (no KV cache is read).
+    """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    context_lens = context_lens or [0] * len(new_lens)
     loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+    seq_lens = torch.tensor([n + c for n, c in zip(new_lens, context_lens, strict=True)], dtype=torch.int32)
     total = int(loc[-1])
+    if block_table is None:
+        block_table = torch.zeros(len(new_lens), 8, dtype=torch.int32)
+        slot_mapping = torch.arange(total, dtype=torch.int64)
+    else:
+        slot_mapping = torch.cat(
+            [
+                slots(block_table[r], range(c, c + n), block_size)
+                for r, (n, c) in enumerate(zip(new_lens, context_lens, strict=True))
+            ]
+        )
     return CommonAttentionMetadata(
         query_start_loc=loc,
         query_start_loc_cpu=loc.clone(),
@@ -113,11 +138,35 @@ def prefill_batch(new_lens: list[int]) -> Any:
         num_reqs=len(new_lens),
         num_actual_tokens=total,
         max_query_len=max(new_lens),
-        max_seq_len=max(new_lens),
-        block_table_tensor=torch.zeros(len(new_lens), 8, dtype=torch.int32),
-        slot_mapping=torch.arange(total, dtype=torch.int64),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
+
+
+def slots(table_row: torch.Tensor, positions: range, block_size: int) -> torch.Tensor:
+    """KV-cache slots of a request's token positions through its block-table row."""
+    pos = torch.tensor(list(positions), dtype=torch.int64)
+    return table_row.long()[pos // block_size] * block_size + pos % block_size
+
+
+@contextlib.contextmanager
+def recording(cls: type, name: str) -> Iterator[list[tuple[Any, tuple, dict]]]:
+    """Records ``(instance, args, kwargs)`` of every call of method ``name`` on any instance of ``cls``.
+
+    Patched on the class, so it sees whichever instance runs (the layer's own backend
+    or an instance the metadata builder prepared for the step).
+    """
+    calls: list[tuple[Any, tuple, dict]] = []
+    original = getattr(cls, name)
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append((self, args, kwargs))
+        return original(self, *args, **kwargs)
+
+    with mock.patch.object(cls, name, spy):
+        yield calls
 
 
 def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model_dirs):
@@ -133,10 +182,11 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
     builder = make_builder(cfg, layer, None)
 
     new_lens = [5, 11, 3]
-    with host.gpu_view(None), set_current_vllm_config(cfg):
-        metadata = builder.build(0, prefill_batch(new_lens))
+    with recording(type(backend), "prepare_metadata") as prepared:
+        with host.gpu_view(None), set_current_vllm_config(cfg):
+            metadata = builder.build(0, prefill_batch(new_lens))
     assert metadata.num_prefills == 3 and metadata.prefill is not None
-    assert backend._prefill_metadata is metadata.prefill  # handed over by the builder
+    assert prepared and all(args[0] is metadata.prefill for _, args, _ in prepared)  # by the builder
 
     gen = torch.Generator().manual_seed(0)
     heads, tokens = layer.num_heads, sum(new_lens)
@@ -150,9 +200,10 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
     impl = layer.impl
     impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
     impl.scale = float("nan")  # no prefill path may read the impl's own scale
-    with mock.patch.object(backend, "run_prefill_new_tokens", wraps=backend.run_prefill_new_tokens) as spy:
+    with recording(type(backend), "run_prefill_new_tokens") as ran:
         impl.forward_mha(q, kv_c, k_pe, torch.empty(0), metadata, None, output=output)
-    assert spy.call_count == 1
+    assert len(ran) == 1
+    assert ran[0][0] in [inst for inst, _, _ in prepared]  # the instance the builder prepared
 
     kv = (kv_c.double() @ layer.kv_b_proj.weight.double().T).view(tokens, heads, 256)
     k = torch.cat([kv[..., :128], k_pe.double().expand(tokens, heads, 64)], dim=-1)
@@ -166,6 +217,234 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
     err = (output.double() - expected).abs().max().item()
     assert torch.isfinite(output).all()
     assert err <= 2.0**-7 * expected.abs().max().item(), err
+
+
+# The context branch, two steps: requests A and B prefill their first tokens (step 1);
+# in step 2 they continue, their step-1 tokens now cached context, and request C starts.
+STEP1_NEW = [37, 20]  # A, B
+STEP2_NEW = [9, 5, 7]  # A, B, C
+STEP2_CONTEXT = [37, 20, 0]
+BLOCK_SIZE = 16  # host.make_vllm_config's CacheConfig
+BLOCKS = [[5, 2, 7], [0, 6], [3]]  # physical KV-cache blocks of A, B, C, deliberately out of order
+NUM_BLOCKS = 8
+# The builder's chunked-context workspace lowered (as the GPU suite's --context-chunk-tokens
+# does) to 32 tokens: 16 per request with context, so A's 37 cached tokens take 3 chunks.
+CHUNK_WORKSPACE = 32
+TOLERANCE = 2.0**-7  # of the largest |reference| value: bf16 rounding with 4x margin
+
+
+def cpu_gather_and_maybe_dequant_cache(
+    src_cache: torch.Tensor,
+    dst: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    num_tokens: Any,
+    kv_cache_dtype: str,
+    scale: Any,
+    seq_starts: torch.Tensor | None = None,
+) -> None:
+    """vLLM's CUDA kernel ``gather_and_maybe_dequant_cache``, in torch, for the CPU tests.
+
+    As the kernel: token ``i < num_tokens`` of the chunk belongs to request
+    ``s = token_to_seq[i]``, at position ``seq_starts[s] + i - cu_seq_lens[s]`` of that
+    request; it is read from the paged cache through the request's block-table row
+    (``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``) into ``dst[i]``,
+    scaled only for a quantized cache (not used here: ``"auto"``).
+    """
+    n = int(num_tokens)
+    i = torch.arange(n)
+    seq = token_to_seq[:n].long()
+    pos = i - cu_seq_lens.long()[seq]
+    if seq_starts is not None:
+        pos = pos + seq_starts.long()[seq]
+    block_size = src_cache.shape[1]
+    rows = src_cache[block_table.long()[seq, pos // block_size], pos % block_size]
+    if kv_cache_dtype != "auto":
+        rows = rows.float() * scale
+    dst[:n] = rows.to(dst.dtype)
+
+
+def cpu_merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+    prefill_tokens_with_context: int | None = None,
+    output_scale: torch.Tensor | None = None,
+) -> None:
+    """vLLM's ``merge_attn_states`` (CUDA or Triton kernels) with the same arguments, in torch.
+
+    The merge rule is the add-on's reference one (``merge_attn_states_torch``); tokens from
+    ``prefill_tokens_with_context`` on have no context and take the suffix as they are.
+    """
+    from mla_prefill_ext.reference import merge_attn_states_torch
+
+    assert output_scale is None
+    n = output.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
+    merged, lse = merge_attn_states_torch(
+        prefix_output[:n], prefix_lse[:, :n], suffix_output[:n], suffix_lse[:, :n]
+    )
+    output[:n] = merged.to(output.dtype)
+    output[n:] = suffix_output[n:].to(output.dtype)
+    if output_lse is not None:
+        output_lse[:, :n] = lse
+        output_lse[:, n:] = suffix_lse[:, n:]
+
+
+@contextlib.contextmanager
+def cpu_kernels(mla_module: Any) -> Iterator[None]:
+    """The three CUDA-only pieces of the context path, done on the CPU (test-only).
+
+    * ``ops.gather_and_maybe_dequant_cache`` (the paged-cache gather of each context
+      chunk in ``_compute_prefill_context``): :func:`cpu_gather_and_maybe_dequant_cache`;
+    * ``merge_attn_states`` (chunk-by-chunk and context-with-new-tokens merges):
+      :func:`cpu_merge_attn_states`;
+    * the builder's pinned host tensors (``torch.zeros(..., pin_memory=True)``), which
+      need a CUDA driver: allocated unpinned.
+    Everything else (the builder's chunking, ``forward_mha``, ``_compute_prefill_context``,
+    ``kv_b_proj``, the add-on's hooks and backend) runs as it is.
+    """
+    zeros = torch.zeros
+
+    def zeros_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return zeros(*args, **kwargs)
+
+    with (
+        mock.patch.object(
+            mla_module.ops, "gather_and_maybe_dequant_cache", cpu_gather_and_maybe_dequant_cache
+        ),
+        mock.patch.object(mla_module, "merge_attn_states", cpu_merge_attn_states),
+        mock.patch.object(torch, "zeros", zeros_unpinned),
+    ):
+        yield
+
+
+def two_steps_with_context(
+    cfg: Any, layer: Any, chunk_workspace: int | None = CHUNK_WORKSPACE
+) -> dict[str, Any]:
+    """Steps 1 and 2 (see STEP1_NEW, STEP2_NEW) through vLLM's builder and ``forward_mha``.
+
+    Returns each step's relative error against the float64 reference of attention over
+    each request's whole sequence (cached context + new tokens), and what ran.
+    ``chunk_workspace=None`` leaves the builder's chunked-context workspace as it is built.
+    """
+    import importlib
+
+    from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext import patches
+
+    mla_module = importlib.import_module(patches.MLA_MODULE)
+    builder = make_builder(cfg, layer, None)
+    if chunk_workspace is not None:
+        builder.chunked_prefill_workspace_size = chunk_workspace
+    heads, lora, rope, nope, dv = layer.num_heads, 512, 64, 128, 128
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
+    layer.kv_b_proj.weight.data = w
+    impl = layer.impl
+    impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
+    impl.scale = float("nan")  # no prefill path may read the impl's own scale
+
+    totals = [c + n for c, n in zip(STEP2_CONTEXT, STEP2_NEW, strict=True)]
+    kv_c_all = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
+    k_pe_all = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
+    q_all = [torch.randn(t, heads, nope + rope, generator=gen).to(dtype) for t in totals]
+    table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
+    for r, blocks in enumerate(BLOCKS):
+        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
+
+    def reference(r: int, start: int, end: int) -> torch.Tensor:
+        # K and V as the layer computes them (kv_b_proj in bf16), then attention in float64.
+        kv = torch.nn.functional.linear(kv_c_all[r][:end], w).double().view(end, heads, nope + dv)
+        k = torch.cat([kv[..., :nope], k_pe_all[r][:end].double().expand(end, heads, rope)], dim=-1)
+        out, _ = reference_attention(
+            q_all[r][start:end].double(), k, kv[..., nope:], layer.scale, causal=True
+        )
+        return out
+
+    result: dict[str, Any] = {"errors": [], "chunks": None}
+    steps = [(STEP1_NEW, [0, 0]), (STEP2_NEW, STEP2_CONTEXT)]
+    for step, (new_lens, ctx_lens) in enumerate(steps):
+        reqs = range(len(new_lens))
+        with cpu_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
+            metadata = builder.build(0, prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE))
+        chunked = metadata.prefill.chunked_context
+        if step == 1:
+            assert chunked is not None
+            result["chunks"] = len(chunked.seq_tot)
+        else:
+            assert chunked is None
+        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
+        q = torch.cat([q_all[r][sl[r]] for r in reqs])
+        kv_c = torch.cat([kv_c_all[r][sl[r]] for r in reqs])
+        k_pe = torch.cat([k_pe_all[r][sl[r]] for r in reqs])
+        # What forward_impl does before forward_mha (vLLM's concat_and_cache_mla): this
+        # step's latent KV rows into the paged cache, at the slots of the step's tokens.
+        rows = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
+        slots = prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE).slot_mapping
+        cache.view(-1, lora + rope)[slots] = rows
+        output = torch.full((q.shape[0], heads * dv), float("nan"), dtype=dtype)
+        with (
+            cpu_kernels(mla_module),
+            recording(type(layer.prefill_backend), "run_prefill_context_chunk") as ran,
+        ):
+            impl.forward_mha(q, kv_c, k_pe, cache, metadata, torch.ones(()), output=output)
+        if step == 1:
+            result["chunk_calls"] = len(ran)
+        expected = torch.cat([reference(r, sl[r].start, sl[r].stop) for r in reqs]).reshape(q.shape[0], -1)
+        assert torch.isfinite(output).all(), f"step {step + 1}: non-finite output"
+        result["errors"].append(((output.double() - expected).abs().max() / expected.abs().max()).item())
+    return result
+
+
+def test_forward_mha_with_context_chunks_matches_the_reference(shim, clean_selection, model_dirs):
+    """Two steps through vLLM's real builder and ``forward_mha``; the second over cached context.
+
+    The context branch (``_compute_prefill_context``) gathers each context chunk from the
+    paged KV cache with a CUDA kernel and merges chunks with another: on the CPU both are
+    replaced by torch versions of exactly those operations (:func:`cpu_kernels`). So vLLM's
+    own chunking, gather addressing (block tables, chunk starts), ``kv_b_proj`` of the
+    context and merge order run, with the add-on's backend (TORCH_SDPA here) computing each
+    chunk, and the result is checked against float64 attention over context + new tokens.
+    """
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build(cfg, None)
+    assert type(layer.prefill_backend) is TorchSDPAPrefillBackend
+    result = two_steps_with_context(cfg, layer)
+    print("TORCH_SDPA, two steps with context:", result)
+    assert result["chunks"] == 3 and result["chunk_calls"] == 3  # A's 37 tokens, 16 per chunk
+    assert max(result["errors"]) <= TOLERANCE, result
+
+
+@pytest.mark.parametrize("mutant", ["SdpaScaleOffBackend", "SdpaBase2LseBackend"])
+def test_forward_mha_with_context_catches_a_wrong_backend(shim, clean_selection, model_dirs, mutant):
+    """The check above fails a backend with the softmax scale 2% off or the LSE in base 2.
+
+    The mutants (tests/gpu/mutant_backends.py, the GPU suite's mutation scenarios on the
+    portable kernel) are registered as CUSTOM and selected as a user would.
+    """
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build(cfg, None)
+    assert type(layer.prefill_backend).__name__ == mutant
+    result = two_steps_with_context(cfg, layer)
+    print(f"{mutant}, two steps with context:", result)
+    assert result["chunks"] == 3
+    # The step with context fails the check above (measured: 0.017 for the scale, 0.12 for
+    # the LSE base, against 0.004 for the correct backend and the bound 0.0078).
+    assert result["errors"][1] > TOLERANCE, result
 
 
 def test_context_chunk_hook_calls_the_layer_backend(shim, clean_selection, model_dirs):
@@ -230,3 +509,42 @@ def test_layer_builds_where_vllm_has_no_flash_attention(shim, clean_selection, m
         assert shim.flash_attn_varlen_func is None
     finally:
         shim.flash_attn_varlen_func = saved
+
+
+def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
+    shim, clean_selection, model_dirs, tmp_path
+):
+    """engine_runner.py --context-chunk-tokens: its wrapper on vLLM's builder, installed before
+    the add-on activates (as in the runner, before LLM(...)), with the add-on's own wrappers
+    on top: the add-on still patches, the builder chunks the context by the lowered size,
+    and the evidence file records it (here from this process; on the GPU, the engine's)."""
+    import importlib
+
+    import wrapt
+
+    import mla_prefill_ext
+    from mla_prefill_ext import patches
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    import engine_runner
+
+    mla_module = importlib.import_module(patches.MLA_MODULE)
+    evidence = tmp_path / "r.chunks"
+    mla_prefill_ext.deactivate()
+    handles = engine_runner.install_context_chunk_wrapper(CHUNK_WORKSPACE, evidence)
+    try:
+        mla_prefill_ext.activate()
+        assert patches.is_instrumented(), patches.state().skipped_reason
+        cfg = host.make_vllm_config(model_dirs["yarn"])
+        layer = build(cfg, None)
+        result = two_steps_with_context(cfg, layer, chunk_workspace=None)
+    finally:
+        mla_prefill_ext.deactivate()
+        for path, handle in reversed(handles):
+            wrapt.unwrap_object(mla_module, path, handle)
+        mla_prefill_ext.activate()
+    assert result["chunks"] == 3 and max(result["errors"]) <= TOLERANCE, result
+    summary = engine_runner.chunk_evidence(evidence, CHUNK_WORKSPACE)
+    assert summary["builder_inits"] == 1 and summary["stock_workspace_tokens"][0] > CHUNK_WORKSPACE
+    assert summary["chunks_per_step"] == [3] and summary["max_chunk_tokens"] == 16
+    assert summary["ran_in_engine_process"] is False  # in-process here: the runner would refuse it

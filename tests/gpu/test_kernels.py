@@ -20,6 +20,12 @@ pytestmark = pytest.mark.gpu
 
 R1 = (128, 64, 128)  # DeepSeek-V3/R1: qk 128+64, v 128
 NON_R1 = (64, 32, 64)  # a smaller MLA shape (qk 96, v 64)
+WIDE = (192, 64, 256)  # a wider MLA shape: qk 192+64 = 256, v 256 (equal head dims)
+# (dims, heads): R1 at 16 heads (e.g. TP 8), 64 (TP 2) and 128 (all of DeepSeek-V3's heads).
+CASES = [(R1, 16), (R1, 64), (R1, 128), (NON_R1, 16), (NON_R1, 128), (WIDE, 16), (WIDE, 64), (WIDE, 128)]
+CASE_IDS = [f"{'r1' if d == R1 else 'non-r1' if d == NON_R1 else 'wide'}-{h}h" for d, h in CASES]
+# Backends that claim every MLA shape: a skip for them would hide a gap, so it fails instead.
+ANY_DIMS = {"FLASH_ATTN", "TORCH_SDPA"}
 SHAPES = {
     "single-long": ([4096], [0]),
     "many-short": ([97, 128, 1, 300, 64, 255, 17, 128] * 4, [0] * 32),
@@ -36,7 +42,10 @@ def make_backend(name: str, heads: int, dims: tuple[int, int, int]):
     config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
     reasons = cls.validate_configuration(current_device_capability(), config)
     if reasons:
-        pytest.skip(f"{name} cannot serve {dims}: {'; '.join(reasons)}")
+        message = f"{name} cannot serve {dims}: {'; '.join(reasons)}"
+        if name in ANY_DIMS:
+            pytest.fail(message)
+        pytest.skip(message)
     return cls(heads, SCALE, 512, dims[0], dims[1], dims[2], None)
 
 
@@ -49,8 +58,7 @@ BACKENDS = ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"]
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dims", [R1, NON_R1], ids=["r1", "non-r1"])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("dims", "heads"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
 def test_new_tokens(name, dims, heads, shape, with_lse):
@@ -81,8 +89,7 @@ def test_new_tokens(name, dims, heads, shape, with_lse):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dims", [R1, NON_R1], ids=["r1", "non-r1"])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("dims", "heads"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("shape", list(CONTEXT_SHAPES))
 def test_context_chunks_merge_to_whole_sequence(name, dims, heads, shape):
     """New tokens + context chunks merged by vLLM's merge_attn_states == attention over all."""
@@ -94,6 +101,16 @@ def test_context_chunks_merge_to_whole_sequence(name, dims, heads, shape):
     assert torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()
     assert err <= tolerance(ref), err
+
+
+@pytest.mark.parametrize("name", sorted(ANY_DIMS))
+@pytest.mark.parametrize("dims", [R1, NON_R1, WIDE], ids=["r1", "non-r1", "wide"])
+def test_any_dims_backends_serve_every_mla_shape(name, dims):
+    """FLASH_ATTN and TORCH_SDPA take every MLA shape here, without padding for equal dims."""
+    backend = make_backend(name, 16, dims)  # fails (not skips) if it refuses
+    if name == "FLASH_ATTN" and dims == WIDE:
+        assert backend.requires_v_padding is False  # qk 256 == v 256: FA takes it as it is
+    print(name, dims, getattr(backend, "fa_version", None), getattr(backend, "requires_v_padding", None))
 
 
 def test_flash_attn_padded_v_paths_on_fa3():

@@ -1,0 +1,175 @@
+"""The GPU suite's verdicts (tests/gpu/verdict.py) on made-up engine records."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+
+import verdict
+
+BOUND = verdict.BF16_NOISE_BOUND
+
+
+def record(tokens: list[int], logprobs: list[float], gaps: list[float] | None = None, prompt_len: int = 100):
+    """A runner record; ``gaps``: stock's top-1 minus top-2 logprob per position."""
+    gaps = gaps or [1.0] * len(tokens)
+    return {
+        "prompt_len": prompt_len,
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "top2": [[lp, lp - g] for lp, g in zip(logprobs, gaps, strict=True)],
+        "num_cached_tokens": 0,
+    }
+
+
+@pytest.fixture
+def stock() -> list[dict]:
+    return [
+        record([5, 6, 7, 8], [-0.5, -1.0, -0.25, -2.0], prompt_len=100),
+        record([9, 10, 11], [-0.1, -0.7, -1.5], gaps=[2.0, 0.02, 3.0], prompt_len=7),
+    ]
+
+
+def test_identical_passes_bit_equal_records(stock):
+    v = verdict.identical(copy.deepcopy(stock), stock, label="same")
+    assert v.passed and v.max_diff == 0.0 and v.flips == [] and v.compared_positions == 7
+    assert "PASSED" in str(v)
+
+
+def test_identical_refuses_the_smallest_logprob_difference(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["logprobs"][2] = math.nextafter(cand[0]["logprobs"][2], 0.0)
+    v = verdict.identical(cand, stock)
+    assert not v.passed and 0 < v.max_diff < 1e-15
+    assert "prompt 0: logprob at position 2" in v.reason
+
+
+def test_identical_refuses_a_top2_difference(stock):
+    cand = copy.deepcopy(stock)
+    cand[1]["top2"][0][1] -= 1e-3
+    v = verdict.identical(cand, stock)
+    assert not v.passed and "top-2 logprobs differ at position 0" in v.reason
+
+
+def test_identical_refuses_a_token_flip_even_at_a_near_tie(stock):
+    cand = copy.deepcopy(stock)
+    cand[1]["tokens"][1] = 99  # stock's gap there is 0.02: a near-tie, still not identical
+    v = verdict.identical(cand, stock)
+    assert not v.passed and len(v.flips) == 1 and v.flips[0].position == 1
+    assert "tokens differ from position 1" in v.reason
+
+
+def test_noise_within_the_bound_passes(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["logprobs"] = [x + 0.03 for x in cand[0]["logprobs"]]
+    v = verdict.bf16_noise(cand, stock)
+    assert v.passed and v.max_diff == pytest.approx(0.03) and v.bound == BOUND
+
+
+def test_flip_at_a_near_tie_is_allowed_and_ends_the_comparison(stock):
+    cand = copy.deepcopy(stock)
+    cand[1]["tokens"][1:] = [42, 43]  # flip where stock's top-1/top-2 gap is 0.02
+    cand[1]["logprobs"][1:] = [-0.69, -9.0]  # after the flip: not compared
+    v = verdict.bf16_noise(cand, stock)
+    assert v.passed, v.reason
+    assert [(f.prompt, f.position, f.allowed) for f in v.flips] == [(1, 1, True)]
+    assert v.compared_positions == 4 + 1
+    assert "near-tie, allowed" in str(v)
+
+
+def test_near_tie_flip_must_pick_stocks_runner_up(stock):
+    for r in stock:
+        r["top2_tokens"] = [[t, t + 1000] for t in r["tokens"]]
+    to_runner_up = copy.deepcopy(stock)
+    to_runner_up[1]["tokens"][1] = stock[1]["tokens"][1] + 1000
+    assert verdict.bf16_noise(to_runner_up, stock).passed
+    elsewhere = copy.deepcopy(stock)
+    elsewhere[1]["tokens"][1] = 42  # near-tie position, but a third token
+    v = verdict.bf16_noise(elsewhere, stock)
+    assert not v.passed and not v.flips[0].allowed and "runner-up" in v.reason
+
+
+def test_real_flip_is_refused(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["tokens"][1] = 77  # stock's gap there is 1.0: no near-tie
+    v = verdict.bf16_noise(cand, stock)
+    assert not v.passed
+    assert [(f.prompt, f.position, f.allowed) for f in v.flips] == [(0, 1, False)]
+    assert "prompt 0: greedy token flip at position 1 is not a near-tie" in v.reason
+    assert "REFUSED" in str(v)
+
+
+def test_bound_exceeded_fails(stock):
+    cand = copy.deepcopy(stock)
+    cand[1]["logprobs"][2] -= 0.2  # the 2%-scale mutant's size of error
+    v = verdict.bf16_noise(cand, stock)
+    assert not v.passed and v.max_diff == pytest.approx(0.2)
+    assert "exceeds the bound" in v.reason and "prompt 1 position 2" in v.reason
+
+
+def test_difference_before_a_flip_still_counts(stock):
+    cand = copy.deepcopy(stock)
+    cand[1]["logprobs"][0] -= 0.1
+    cand[1]["tokens"][1] = 42  # allowed near-tie flip after an out-of-bound position
+    v = verdict.bf16_noise(cand, stock)
+    assert not v.passed and v.max_diff == pytest.approx(0.1)
+
+
+def test_custom_bound(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["logprobs"][0] += 0.05
+    assert verdict.bf16_noise(cand, stock, bound=0.06).passed
+    assert not verdict.bf16_noise(cand, stock, bound=0.04).passed
+
+
+def test_nan_logprob_fails(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["logprobs"][0] = float("nan")
+    v = verdict.bf16_noise(cand, stock)
+    assert not v.passed and v.max_diff == math.inf
+
+
+def test_flip_without_recorded_top2_is_refused(stock):
+    ref = copy.deepcopy(stock)
+    for r in ref:
+        del r["top2"]
+    cand = copy.deepcopy(ref)
+    cand[1]["tokens"][1] = 42
+    v = verdict.bf16_noise(cand, ref)
+    assert not v.passed and v.flips[0].reference_gap is None
+
+
+@pytest.mark.parametrize("check", [verdict.identical, verdict.bf16_noise])
+def test_mismatched_prompt_sets_fail(stock, check):
+    assert not check(stock[:1], stock).passed
+    other = copy.deepcopy(stock)
+    other[0]["prompt_len"] = 101
+    v = check(other, stock)
+    assert not v.passed and "prompt_len" in v.reason
+
+
+def test_shorter_output_without_a_flip_fails(stock):
+    cand = copy.deepcopy(stock)
+    cand[0]["tokens"] = cand[0]["tokens"][:3]
+    cand[0]["logprobs"] = cand[0]["logprobs"][:3]
+    v = verdict.bf16_noise(cand, stock)
+    assert not v.passed and "3 tokens against 4" in v.reason
+
+
+def test_verdict_prints_itself(stock, capsys):
+    verdict.bf16_noise(stock, stock, label="shim-fi vs stock")
+    out = capsys.readouterr().out
+    assert out.startswith("shim-fi vs stock: bf16_noise PASSED")
+    assert verdict.summary(verdict.bf16_noise(stock, stock))["passed"] is True
+
+
+def test_bound_is_between_the_measured_noise_and_the_mutant():
+    """The justification in verdict.py: FlashInfer noise 0.031 < bound < 2%-scale mutant's 0.2."""
+    assert 0.031 < BOUND < 0.2
+    assert BOUND >= 1.5 * 0.031
