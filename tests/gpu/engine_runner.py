@@ -172,7 +172,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=16384,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching=True,  # V1's default, stated: the prompt sets rely on it
-        gpu_memory_utilization=0.6,
+        gpu_memory_utilization=args.gpu_mem,
+        distributed_executor_backend=args.executor,
         seed=0,
         # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose
         # JIT build takes many minutes on a host without FlashInfer's prebuilt kernels.
@@ -286,6 +287,18 @@ def main() -> int:
     parser.add_argument("--prompts", choices=["parity", "chunks"], default="parity")
     parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
     parser.add_argument("--bench", action="store_true")
+    parser.add_argument(
+        "--executor",
+        choices=["mp", "ray"],
+        default=None,
+        help="distributed_executor_backend (default: vLLM's)",
+    )
+    parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
+    parser.add_argument(
+        "--example",
+        action="store_true",
+        help="count the calls of the installed example backend package (MLA_PREFILL_EXAMPLE_COUNT_FILE)",
+    )
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -304,6 +317,15 @@ def main() -> int:
     if args.custom:
         count_file.unlink(missing_ok=True)
         os.environ["MLA_PREFILL_COUNT_FILE"] = str(count_file)
+    if args.example:
+        count_file.unlink(missing_ok=True)
+        os.environ["MLA_PREFILL_EXAMPLE_COUNT_FILE"] = str(count_file)
+    if args.executor == "ray":
+        # The test's own counting variables: a user's backend that reads its own variables
+        # asks vLLM to copy them the same way. The add-on's own settings are not listed here.
+        os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = (
+            "MLA_PREFILL_COUNT_FILE,MLA_PREFILL_EXAMPLE_COUNT_FILE"
+        )
     if args.custom or args.custom_class:
         # The backend's module must be importable in vLLM's child processes too.
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -334,7 +356,7 @@ def main() -> int:
                 "the --context-chunk-tokens wrapper left no evidence from the engine process "
                 "(was the engine core spawned instead of forked?)"
             )
-    if args.custom and count_file.exists():
+    if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
         record["custom_calls"] = {
             "lines": len(calls),
