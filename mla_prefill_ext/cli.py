@@ -276,16 +276,38 @@ def _overrides_findings(raw: str | None) -> list[Finding]:
     return findings
 
 
+def _entry_point_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
+    """Installed backend packages (entry points): registered, or why not."""
+    from mla_prefill_ext.discovery import ENTRY_POINT_GROUP, discover
+
+    rows, findings = [], []
+    for ep in discover():
+        rows.append(ep._asdict())
+        if ep.problem:
+            package = f" of package {ep.distribution}" if ep.distribution else ""
+            findings.append(
+                Finding(
+                    "problem",
+                    f"The {ENTRY_POINT_GROUP} entry point {ep.name} = '{ep.value}'{package} is not "
+                    f"used: {ep.problem.rstrip('.')}.",
+                )
+            )
+    return rows, findings
+
+
 def _backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
-    """Every backend name with its class path, and whether that class loads."""
+    """Every backend name with its class path, where it comes from, and whether that class loads."""
     from mla_prefill_ext.registry import registered_backends
 
     rows, findings = [], []
     for member, path in registered_backends():
-        if member.value is None:  # CUSTOM, or a name added by a registration
-            kind = "registered" if path else "placeholder for your own backend"
+        source = member.source()  # built-in, registered by call, entry point of package X, not registered
+        if path is None:
+            kind = "placeholder for your own backend" if member.name == "CUSTOM" else source
+        elif member.value is not None and member.is_overridden():
+            kind = f"built-in, overridden: {source}"
         else:
-            kind = "built-in, overridden" if member.is_overridden() else "built-in"
+            kind = source
         error = None
         if path is not None:
             try:
@@ -473,6 +495,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     choice, choice_lines, choice_findings = _choice_report(disabled)
     findings += choice_findings
     findings += _overrides_findings(os.environ.get(OVERRIDES_ENV))
+    entry_points, entry_point_findings = _entry_point_rows()
+    findings += entry_point_findings
     backends, backend_findings = _backend_rows()
     findings += backend_findings
 
@@ -506,6 +530,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ],
         "choice": choice,
         "backends": backends,
+        "backend_packages": entry_points,
         "environment": environment,
         "findings": [f._asdict() for f in findings],
         "verdict": "problem" if problems else "ok",
@@ -526,6 +551,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         *choice_lines,
         "backends:",
         *(_backend_line(b) for b in backends),
+        *(
+            f"  PROBLEM  entry point {e['name']} = '{e['value']}' (package {e['distribution'] or '?'}): "
+            "not used (see the findings)"
+            for e in entry_points
+            if e["problem"]
+        ),
         "environment:",
         *(f"  {k}={v if v is not None else '(unset)'}" for k, v in environment.items()),
         "findings:" if findings else "findings: none",

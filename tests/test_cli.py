@@ -109,6 +109,11 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (root / "readme_backend.py").write_text(README_BACKEND)
     (root / "broken_backend.py").write_text(BROKEN_BACKEND)
+    # An installed backend package whose entry point is malformed (on PYTHONPATH only where asked).
+    dist_info = root / "packages" / "demo_backends-0.1.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-backends\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[mla_prefill_ext.backends]\nDEMO_BAD = nodots\n")
     return root
 
 
@@ -187,10 +192,12 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
 
 @pytest.fixture(scope="module")
 def slow(harness: Path) -> Iterator[dict[str, Any]]:
-    procs = {
-        name: start(["-m", "mla_prefill_ext", *args], cli_env(harness, **extra))
-        for name, (args, extra) in SLOW_RUNS.items()
-    }
+    procs = {}
+    for name, (args, extra) in SLOW_RUNS.items():
+        env = cli_env(harness, **extra)
+        if name == "info_bad_settings":  # this user also installed a broken backend package
+            env["PYTHONPATH"] = os.pathsep.join([str(harness / "packages"), env["PYTHONPATH"]])
+        procs[name] = start(["-m", "mla_prefill_ext", *args], env)
     results: dict[str, subprocess.CompletedProcess[str]] = {}
 
     class Results(dict):
@@ -389,7 +396,13 @@ def test_info_reports_bad_settings_and_tries_every_registration(slow: dict[str, 
     assert messages[0].startswith("MLA_PREFILL_BACKEND is set to 'nonsense', which is not a backend name;")
     assert any("entry '1BAD' is ignored" in m for m in messages)
     assert any("entry 'OTHER' is ignored: its class path must be a string" in m for m in messages)
-    assert len(messages) == 5
+    (package,) = report["backend_packages"]
+    assert package["name"] == "DEMO_BAD" and package["distribution"] == "demo-backends"
+    assert any(
+        m.startswith("The mla_prefill_ext.backends entry point DEMO_BAD = 'nodots' of package demo-backends")
+        for m in messages
+    )
+    assert len(messages) == 6
     assert all(m.endswith(".") for m in messages)
 
 
