@@ -95,6 +95,16 @@ def test_near_tie_flip_must_pick_stocks_runner_up(stock):
     assert not v.passed and not v.flips[0].allowed and "runner-up" in v.reason
 
 
+def test_at_an_exact_tie_any_tied_token_may_win(stock):
+    """bf16 logprobs come in 1/64 steps: three tokens can tie, and stock's own runs pick among them."""
+    for r in stock:
+        r["top2_tokens"] = [[t, t + 1000] for t in r["tokens"]]
+    stock[1]["top2"][1] = [stock[1]["top2"][1][0]] * 2  # top-1 and top-2 exactly tied
+    third = copy.deepcopy(stock)
+    third[1]["tokens"][1] = 42
+    assert verdict.bf16_noise(third, stock).passed
+
+
 def test_real_flip_is_refused(stock):
     cand = copy.deepcopy(stock)
     cand[0]["tokens"][1] = 77  # stock's gap there is 1.0: no near-tie

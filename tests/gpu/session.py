@@ -175,6 +175,20 @@ def multi(results: Path, old_addon: Path | None) -> None:
     t.join()
 
 
+def only(results: Path, names: list[str]) -> None:
+    """Re-run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone."""
+    ensure_checkpoint(default_model_dir(results))
+    shared = [n for n in names if ALL[n].gpus == 1]
+    threads = [threading.Thread(target=lane, args=([], results, g, shared)) for g in ("0", "1")]
+    for t in threads:
+        t.start()
+        time.sleep(3)
+    for t in threads:
+        t.join()
+    for name in (n for n in names if ALL[n].gpus > 1):
+        run_scenario(name, results, "0,1")
+
+
 def verdicts(results: Path) -> int:
     env = {**os.environ, "MLA_GPU_RESULTS": str(results)}
     return subprocess.call(
@@ -195,7 +209,8 @@ def verdicts(results: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["single", "multi", "verdicts"])
+    parser.add_argument("phase", choices=["single", "multi", "only", "verdicts"])
+    parser.add_argument("--names", default="", help="for 'only': comma-separated scenario names")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--old-addon", type=Path, help="folder holding the previous mla_prefill_ext")
     args = parser.parse_args()
@@ -204,6 +219,8 @@ def main() -> int:
         single(args.results)
     elif args.phase == "multi":
         multi(args.results, args.old_addon)
+    elif args.phase == "only":
+        only(args.results, [n for n in args.names.split(",") if n])
     else:
         return verdicts(args.results)
     return 0

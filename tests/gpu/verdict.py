@@ -13,8 +13,9 @@ reference's (stock vLLM), prompt by prompt:
   tokens agree; the largest ``|logprob difference|`` there must stay within
   ``bound``. A greedy token flip is allowed only where stock's own top-1 and top-2
   logprobs at that position are within ``bound`` of each other (a near-tie that
-  bf16 rounding can tip); after a flip the rest of that sequence is not compared
-  (it continues from another token). Any other flip fails.
+  bf16 rounding can tip) and, unless stock's top two are exactly tied, only to
+  stock's runner-up; after a flip the rest of that sequence is not compared (it
+  continues from another token). Any other flip fails.
 
 The bound, :data:`BF16_NOISE_BOUND` = 0.06 (natural-log units), and why:
 
@@ -176,7 +177,9 @@ def bf16_noise(
                 runner_up = _runner_up(r, j)
                 if not allowed:
                     problems.append(f"prompt {i}: greedy token flip at position {j} is not a near-tie")
-                elif runner_up is not None and ct[j] != runner_up:
+                elif runner_up is not None and ct[j] != runner_up and gap > 0:
+                    # At an exact tie (gap 0) more than two tokens can share the top logprob
+                    # (bf16 logprobs come in steps of 1/64): stock's own runs pick among them.
                     allowed = False
                     problems.append(
                         f"prompt {i}: at the near-tie at position {j} the candidate chose {ct[j]}, "
