@@ -17,8 +17,10 @@ shows it) and never affects an engine that does not select it.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
-from importlib.metadata import entry_points
+from importlib.metadata import Distribution, EntryPoint
 from typing import NamedTuple
 
 ENTRY_POINT_GROUP = "mla_prefill_ext.backends"
@@ -34,6 +36,40 @@ class EntryPointStatus(NamedTuple):
 
 _LOCK = threading.Lock()
 _DISCOVERED: list[EntryPointStatus] | None = None
+_SECTION = f"[{ENTRY_POINT_GROUP}]"
+
+
+def _installed_entry_points() -> list[EntryPoint]:
+    """The group's entry points of the distributions on ``sys.path``.
+
+    ``importlib.metadata.entry_points()`` parses every installed distribution's entry
+    points (about 10 ms with vLLM's 200 dependencies, in every engine process); this
+    reads each ``entry_points.txt`` as text and parses only those naming the group.
+    """
+    found: list[EntryPoint] = []
+    seen: set[str] = set()
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith((".dist-info", ".egg-info")):
+                continue
+            path = os.path.join(entry or ".", name)
+            try:
+                with open(os.path.join(path, "entry_points.txt"), encoding="utf-8") as f:
+                    if _SECTION not in f.read():
+                        continue
+            except OSError:
+                continue
+            dist = Distribution.at(path)
+            key = (dist.metadata["Name"] or name).lower().replace("_", "-")
+            if key in seen:  # the first on sys.path wins, as for imports
+                continue
+            seen.add(key)
+            found.extend(ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP)
+    return found
 
 
 def _class_path(value: str) -> str | None:
@@ -52,7 +88,7 @@ def discover(refresh: bool = False) -> list[EntryPointStatus]:
             return _DISCOVERED
         from mla_prefill_ext import registry
 
-        found = list(entry_points(group=ENTRY_POINT_GROUP))
+        found = _installed_entry_points()
         by_name: dict[str, list] = {}
         for ep in found:
             by_name.setdefault(ep.name, []).append(ep)

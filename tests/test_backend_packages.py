@@ -226,3 +226,24 @@ def test_entry_points_are_not_mirrored_to_child_environments(site):
     )
     discovery.discover(refresh=True)
     assert "FAKE_ONE" not in os.environ.get(registry.OVERRIDES_ENV, "")
+
+
+def test_two_packages_claiming_one_name_register_neither(site):
+    install(site, "fakepkg-a", {"FAKE_DUP": "fakepkg_a:A"})
+    install(site, "fakepkg-b", {"FAKE_DUP": "fakepkg_b:B"})
+    statuses = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_DUP"]
+    assert len(statuses) == 2 and all("declared by several packages" in s.problem for s in statuses)
+    assert "FAKE_DUP" not in MLAPrefillBackendEnum.__members__ or not registry._ENTRY_POINTS.get("FAKE_DUP")
+
+
+def test_the_first_copy_of_a_package_on_sys_path_wins(site, tmp_path_factory, clean_selection):
+    later = tmp_path_factory.mktemp("later-site")
+    install(site, "fakepkg-one", {"FAKE_ONE": "fakepkg_one:FakeOneBackend"})
+    install(later, "fakepkg-one", {"FAKE_ONE": "fakepkg_one_old:Old"})
+    clean_selection.syspath_prepend(str(site))  # site before later
+    sys.path.append(str(later))
+    try:
+        (status,) = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_ONE"]
+    finally:
+        sys.path.remove(str(later))
+    assert status.problem is None and status.class_path == "fakepkg_one.FakeOneBackend"
