@@ -119,7 +119,6 @@ _ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
 
 def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
     """Import ``class_path`` and check it is an MLAPrefillBackend; errors name the path."""
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
 
     module_name, _, attr = class_path.rpartition(".")
     if not module_name:
@@ -153,18 +152,22 @@ def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
             obj = getattr(obj, part)
         except AttributeError as e:
             raise ImportError(f"MLA prefill backend {name}: '{class_path}' not found ({e})") from e
+    problem = _backend_class_problem(obj)
+    if problem is not None:
+        raise TypeError(f"MLA prefill backend {name}: '{class_path}' {problem}")
+    return obj
+
+
+def _backend_class_problem(obj: Any) -> str | None:
+    """Why ``obj`` cannot serve as a backend class (None: it can be instantiated)."""
+    from mla_prefill_ext.backends.base import MLAPrefillBackend
+
     if not (isinstance(obj, type) and issubclass(obj, MLAPrefillBackend)):
-        raise TypeError(
-            f"MLA prefill backend {name}: '{class_path}' is {obj!r}, not a subclass of "
-            "mla_prefill_ext.MLAPrefillBackend"
-        )
+        return f"is {obj!r}, not a subclass of mla_prefill_ext.MLAPrefillBackend"
     missing = _abstract_methods(obj)
     if missing:
-        raise TypeError(
-            f"MLA prefill backend {name}: '{class_path}' cannot be instantiated: it does not "
-            f"implement {', '.join(missing)}"
-        )
-    return obj
+        return f"cannot be instantiated: it does not implement {', '.join(missing)}"
+    return None
 
 
 def _abstract_methods(cls: type) -> list[str]:
@@ -261,19 +264,10 @@ def _validate_class_path(member: MLAPrefillBackendEnum, class_path: Any) -> None
 
 def _validate_backend_class(member: MLAPrefillBackendEnum, cls: Any) -> None:
     """A decorated class must be a backend that can be instantiated: checked at decoration."""
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
-
-    if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
-        raise TypeError(
-            f"@register_mla_prefill_backend({member.name}) was applied to {cls!r}, which is not "
-            "a subclass of mla_prefill_ext.MLAPrefillBackend"
-        )
-    missing = _abstract_methods(cls)
-    if missing:
-        raise TypeError(
-            f"MLA prefill backend {member.name}: class {cls.__module__}.{cls.__qualname__} cannot "
-            f"be instantiated: it does not implement {', '.join(missing)}"
-        )
+    problem = _backend_class_problem(cls)
+    if problem is not None:
+        where = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+        raise TypeError(f"MLA prefill backend {member.name}: {where} {problem}")
 
 
 def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:

@@ -1246,18 +1246,3 @@ def assert_conformant(backend: Any, *args: Any, **kwargs: Any) -> ConformanceRep
     if not report.ok:
         raise AssertionError("\n" + report.format())
     return report
-
-
-__all__ = [
-    "DEFAULT_DIMS",
-    "DEFAULT_DTYPES",
-    "DEFAULT_NUM_HEADS",
-    "PROPERTIES",
-    "TOLERANCES",
-    "CheckResult",
-    "ConformanceCase",
-    "ConformanceReport",
-    "Tolerance",
-    "assert_conformant",
-    "run_conformance",
-]
