@@ -56,7 +56,12 @@ def test_valid_on_sm100_with_r1_dims(capability: tuple[int, int], dtype: torch.d
         ((9, 0), torch.bfloat16, True, ["compute capability 9.0 not supported"]),
         ((12, 0), torch.bfloat16, True, ["compute capability 12.0 not supported"]),
         ((8, 0), torch.float16, True, ["compute capability 8.0 not supported"]),
-        (None, torch.bfloat16, True, ["no GPU (CPU or unknown platform) not supported"]),
+        (
+            None,
+            torch.bfloat16,
+            True,
+            ["needs a GPU (this is a CPU or a platform that reports no compute capability)"],
+        ),
         ((10, 0), torch.float32, True, ["dtype float32 not supported (supports float16, bfloat16)"]),
         (
             (10, 0),
