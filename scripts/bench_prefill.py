@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""MLA prefill benchmarks: kernel overhead, backend choice, engine throughput, start-up cost.
+"""MLA prefill benchmarks: kernel overhead, backend choice, engine throughput, start-up and step host cost.
 
     python scripts/bench_prefill.py kernel  [--json out.json] [--plot out.png] [--quick]
     python scripts/bench_prefill.py engine  [--json out.json] [--reuse RESULTS_DIR] [--gpus 0,1]
     python scripts/bench_prefill.py startup [--json out.json]
+    python scripts/bench_prefill.py step    [--json out.json] [--layers 1,61] [--steps 200] [--backends ...]
     python scripts/bench_prefill.py all     --json out.json --plot out.png   # the three, one command
 
 Kernel: TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk next to
@@ -12,11 +13,17 @@ repeated launches after warm-up, the two sides interleaved round by round.
 Engine: prompt tokens/s with max_tokens=1 for stock vLLM vs the add-on (FLASH_ATTN, FLASHINFER),
 one engine lifetime per side, several repetitions (tests/gpu/scenarios.py, engine_runner.py).
 Start-up: ``import vllm`` + vLLM's plugin loading with and without the add-on's entry point.
+Step (runs on a CPU): the host cost per prefill step of the add-on's preparation for 1 and for 61 MLA
+layers, on real vLLM objects (tests/host.py): vLLM's DeepseekV2 MLA attention layers and MLA metadata
+builder; ``build()`` with and without the add-on, the add-on's own work inside it, and the layers'
+prefill hooks. FLASH_ATTN, FLASHINFER and TRTLLM_RAGGED get a GPU's device facts only: no kernel runs,
+and a backend whose preparation needs a GPU is reported as not measurable, with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -31,6 +38,20 @@ sys.path.insert(0, str(ROOT))
 
 R1 = (128, 64, 128)
 NON_R1 = (64, 32, 64)
+KERNEL_BACKENDS = "FLASH_ATTN,FLASHINFER,TORCH_SDPA"
+
+# Step mode: the per-step host cost of the add-on's preparation for N MLA layers.
+STEP_BACKENDS = "TORCH_SDPA,FLASH_ATTN,FLASHINFER,TRTLLM_RAGGED"
+# The device each backend is built for: the CPU itself for the portable backend, else only the
+# device facts of a GPU that runs it (host.gpu_view), every vLLM object staying real.
+STEP_CAPABILITY: dict[str, tuple[int, int] | None] = {
+    "TORCH_SDPA": None,
+    "FLASH_ATTN": (9, 0),
+    "FLASHINFER": (9, 0),
+    "TRTLLM_RAGGED": (10, 0),
+}
+STEP_PREFILLS = [512, 256, 128, 64]  # new tokens of the step's requests (prefill only, no context)
+STEP_TARGET_RATIO = 1.2  # the add-on's preparation for the most layers vs for the fewest
 
 
 def kernel_grid(quick: bool, device: str, dims_choice: str = "all") -> list[dict[str, Any]]:
@@ -166,7 +187,7 @@ def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     measure = _timer(device)
     cap = current_device_capability() if device == "cuda" else None
-    names = args.backends.split(",")
+    names = (args.backends or KERNEL_BACKENDS).split(",")
     unknown = [n for n in names if n not in MLAPrefillBackendEnum.__members__]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; known: {list(MLAPrefillBackendEnum.__members__)}")
@@ -336,6 +357,352 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def step_batch(new_lens: list[int]) -> Any:
+    """vLLM's per-step metadata for prefills of ``new_lens`` tokens (no cached context)."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+    total = int(loc[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=loc,
+        query_start_loc_cpu=loc.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(new_lens),
+        num_actual_tokens=total,
+        max_query_len=max(new_lens),
+        max_seq_len=max(new_lens),
+        block_table_tensor=torch.zeros(len(new_lens), 64, dtype=torch.int32),
+        slot_mapping=torch.arange(total, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+
+
+def _failure(e: BaseException) -> str:
+    """The exception's first line, and where it was raised: the innermost frame of a library."""
+    import traceback
+
+    text = str(e).strip().splitlines()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = next(
+        (f for f in reversed(frames) if "site-packages" in f.filename), frames[-1] if frames else None
+    )
+    at = ""
+    if where is not None:
+        short = where.filename.split("site-packages/")[-1]
+        at = f" (raised in {short}:{where.lineno}, {where.name})"
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300] + at
+
+
+def _us(samples: list[int]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "median": statistics.median(s) / 1e3,
+        "p10": s[len(s) // 10] / 1e3,
+        "p90": s[(len(s) * 9) // 10] / 1e3,
+    }
+
+
+def step_setup(name: str, layer_counts: list[int], model_dir: Path) -> tuple[Any, list[Any], dict[int, Any]]:
+    """The backend's MLA layers (as many as the largest count) and one metadata builder per count.
+
+    Each builder holds the first ``n`` layers, as vLLM's model runner builds one builder per
+    KV-cache group holding every MLA layer of the model.
+    """
+    import host  # tests/host.py: real vLLM objects on a CPU
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext import selector
+
+    selector.clear_cache()
+    cfg = host.make_vllm_config(model_dir, additional_config={"mla_prefill_backend": name})
+    cap = STEP_CAPABILITY[name]
+    with host.gpu_view(cap):
+        layers = [
+            host.mla_layer(host.build_deepseek_attention(cfg, prefix=f"model.layers.{i}.self_attn"))
+            for i in range(max(layer_counts))
+        ]
+    owned = {type(layer.prefill_backend).get_name() for layer in layers}
+    if owned != {name}:
+        raise SystemExit(f"{name}: the layers own {sorted(owned)}")
+    builders = {}
+    with host.gpu_view(cap), set_current_vllm_config(cfg):
+        for n in layer_counts:
+            builders[n] = layers[0].attn_backend.get_builder_cls()(
+                layers[0].get_kv_cache_spec(cfg),
+                [layer.layer_name for layer in layers[:n]],
+                cfg,
+                torch.device("cpu"),
+            )
+    return cfg, layers, builders
+
+
+STUB_RESULT = object()
+
+
+def _stub_kernel(q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
+    return STUB_RESULT  # no kernel runs: only the host work around it is timed
+
+
+def addon_block(
+    builders: dict[int, Any], layers: list[Any], common: Any, args: argparse.Namespace, samples: dict
+) -> None:
+    """Warm-up, then timed steps with the add-on active, the layer counts taking turns step by step.
+
+    Samples (ns) go to ``samples[n]``. Turns step by step, not block by block, so that what
+    else runs on the machine weighs on every layer count alike.
+    """
+    from time import perf_counter_ns
+
+    from mla_prefill_ext.patches import MLA_MODULE, wrappers
+
+    stock_build = vars(sys.modules[MLA_MODULE].MLACommonMetadataBuilder)["build"].__wrapped__  # vLLM's own
+    inner: list[int] = []
+
+    def timed_stock(builder: Any, *a: Any, **k: Any) -> Any:
+        t = perf_counter_ns()
+        m = stock_build(builder, *a, **k)
+        inner.append(perf_counter_ns() - t)
+        return m
+
+    per_count = {
+        n: (
+            b,
+            functools.partial(timed_stock, b),
+            [layer.impl._run_prefill_new_tokens for layer in layers[:n]],
+            [layer.prefill_backend for layer in layers[:n]],
+            [_stub_kernel] * n,
+        )
+        for n, b in builders.items()
+    }
+    order = list(per_count)
+    for i in range(args.warmup + args.steps // args.step_rounds):
+        for n in order if i % 2 else order[::-1]:
+            builder, wrapped, hooks, own, plain = per_count[n]
+            inner.clear()
+            # 1. The add-on's own work in build(): its wrapper around vLLM's build, minus that build.
+            t0 = perf_counter_ns()
+            wrappers.builder_build(wrapped, builder, (0, common), {})
+            t1 = perf_counter_ns()
+            # 2. The same step through the installed patch (what vLLM's model runner calls).
+            metadata = builder.build(0, common)
+            t2 = perf_counter_ns()
+            # 3. Each layer's prefill hook once: the lookup of the prepared instance, then its
+            #    kernel call (a stub); and the stub called as often without the hooks (the floor).
+            prefill = metadata.prefill
+            ran = [hook(prefill, None, None, None, False) for hook in hooks]
+            t3 = perf_counter_ns()
+            _ = [f(None, None, None, False) for f in plain]
+            t4 = perf_counter_ns()
+            # 4. For comparison, the scheme the change replaced: every layer prepares its own backend.
+            for backend in own:
+                backend.prepare_metadata(prefill)
+            t5 = perf_counter_ns()
+            if not all(r is STUB_RESULT for r in ran):
+                raise SystemExit("a layer's hook did not run the instance its builder prepared")
+            if i >= args.warmup:
+                s = samples[n]
+                s["addon"].append(t1 - t0 - inner[0])
+                s["build"].append(t2 - t1)
+                s["dispatch"].append(t3 - t2)
+                s["plain"].append(t4 - t3)
+                s["per_layer"].append(t5 - t4)
+
+
+def stock_block(builders: dict[int, Any], common: Any, args: argparse.Namespace, samples: dict) -> None:
+    """The same builders' build() with the add-on deactivated (vLLM as shipped), taking turns."""
+    from time import perf_counter_ns
+
+    import mla_prefill_ext
+    from mla_prefill_ext.patches import MLA_MODULE
+
+    mla = sys.modules[MLA_MODULE]
+    mla_prefill_ext.deactivate()
+    try:
+        if hasattr(vars(mla.MLACommonMetadataBuilder)["build"], "__wrapped__"):
+            raise SystemExit("deactivate() left MLACommonMetadataBuilder.build wrapped")
+        order = list(builders)
+        for i in range(args.warmup + args.steps // args.step_rounds):
+            for n in order if i % 2 else order[::-1]:
+                t0 = perf_counter_ns()
+                metadata = builders[n].build(0, common)
+                t1 = perf_counter_ns()
+                if i >= args.warmup:
+                    samples[n]["stock"].append(t1 - t0)
+                if hasattr(metadata.prefill, "mla_prefill_runners"):
+                    raise SystemExit("the deactivated build still ran the add-on")
+    finally:
+        mla_prefill_ext.activate()
+
+
+def step_one_backend(name: str, layer_counts: list[int], args: argparse.Namespace, model_dir: Path) -> dict:
+    """One backend: its layers and builders, then the layer counts and both sides interleaved."""
+    import host
+    from vllm.config import set_current_vllm_config
+
+    cap = STEP_CAPABILITY[name]
+    res: dict[str, Any] = {
+        "backend": name,
+        "device_view": "CPU" if cap is None else f"CPU with SM{cap[0]}{cap[1]} device facts",
+    }
+    try:
+        cfg, layers, builders = step_setup(name, layer_counts, model_dir)
+    except Exception as e:  # the backend cannot even be built here
+        res["not_measurable"] = f"building its layers failed: {_failure(e)}"
+        return res
+    common = step_batch(STEP_PREFILLS)
+    samples = {
+        n: {k: [] for k in ("addon", "build", "stock", "dispatch", "plain", "per_layer")} for n in builders
+    }
+    with host.gpu_view(cap), set_current_vllm_config(cfg):
+        try:  # one step each, untimed: what cannot run on a CPU (FlashInfer's plan()) fails here
+            for b in builders.values():
+                b.build(0, common)
+        except Exception as e:
+            res["not_measurable"] = f"its prepare_metadata cannot run on this CPU machine: {_failure(e)}"
+            return res
+        for b in builders.values():
+            for runner in b._mla_prefill_runners.values():
+                runner.run_prefill_new_tokens = _stub_kernel  # on the builder's instances only
+        for _ in range(args.step_rounds):  # the two sides alternate in blocks (deactivate() unpatches)
+            addon_block(builders, layers, common, args, samples)
+            stock_block(builders, common, args, samples)
+    rows = []
+    for n, b in builders.items():
+        spread = {k: _us(v) for k, v in samples[n].items()}
+        med = {k: v["median"] for k, v in spread.items()}
+        rows.append(
+            {
+                "layers": n,
+                "prepared_instances": len(b._mla_prefill_runners),
+                "steps": len(samples[n]["addon"]),
+                "addon_prepare_us": med["addon"],
+                "stock_build_us": med["stock"],
+                "build_with_addon_us": med["build"],
+                "build_difference_us": med["build"] - med["stock"],
+                "hook_dispatch_us": med["dispatch"],
+                "plain_calls_us": med["plain"],
+                "per_layer_prepare_us": med["per_layer"],
+                "spread_us": spread,
+            }
+        )
+    lo, hi = rows[0], rows[-1]
+    res["rows"] = rows
+    res["ratio_prepare"] = hi["addon_prepare_us"] / lo["addon_prepare_us"]
+    res["ratio_prepare_and_hooks"] = (hi["addon_prepare_us"] + hi["hook_dispatch_us"]) / (
+        lo["addon_prepare_us"] + lo["hook_dispatch_us"]
+    )
+    res["meets_target"] = res["ratio_prepare"] <= STEP_TARGET_RATIO
+    return res
+
+
+STEP_COLUMNS = (
+    ("addon_prepare_us", "add-on preparation in build()"),
+    ("stock_build_us", "stock build()"),
+    ("build_with_addon_us", "build() with add-on"),
+    ("hook_dispatch_us", "prefill hooks, all layers"),
+    ("plain_calls_us", "plain calls, all layers"),
+    ("per_layer_prepare_us", "every layer preparing (old scheme)"),
+)
+
+
+def step_markdown(step: dict[str, Any]) -> list[str]:
+    """One table per backend (medians, us) and the verdict on the target, or why it was not measured."""
+    lines: list[str] = []
+    for res in step["backends"]:
+        lines += [f"{res['backend']} ({res['device_view']}), medians in us:", ""]
+        if "not_measurable" in res:
+            lines += [f"not measurable here: {res['not_measurable']}", ""]
+            continue
+        lines.append("| layers | " + " | ".join(title for _, title in STEP_COLUMNS) + " |")
+        lines.append("| --- " * (len(STEP_COLUMNS) + 1) + "|")
+        for row in res["rows"]:
+            lines.append(
+                f"| {row['layers']} | " + " | ".join(f"{row[k]:.1f}" for k, _ in STEP_COLUMNS) + " |"
+            )
+        lo, hi = res["rows"][0]["layers"], res["rows"][-1]["layers"]
+        verdict = "met" if res["meets_target"] else "NOT met"
+        lines += [
+            "",
+            f"add-on preparation, {hi} layers / {lo}: {res['ratio_prepare']:.2f}x (target <= "
+            f"{step['target_ratio']}x: {verdict}); with the prefill hooks: "
+            f"{res['ratio_prepare_and_hooks']:.2f}x",
+            "",
+        ]
+    return lines
+
+
+def bench_step(args: argparse.Namespace) -> dict[str, Any]:
+    import importlib
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))  # host.py: real vLLM objects built on a CPU
+    import host
+
+    import mla_prefill_ext
+    from mla_prefill_ext import patches
+
+    layer_counts = sorted({int(n) for n in args.layers.split(",")})
+    names = (args.backends or STEP_BACKENDS).split(",")
+    unknown = [n for n in names if n not in STEP_CAPABILITY]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; step mode times: {list(STEP_CAPABILITY)}")
+    if args.steps < args.step_rounds:
+        raise SystemExit(f"--steps ({args.steps}) must be at least --step-rounds ({args.step_rounds})")
+    mla_prefill_ext.activate()
+    importlib.import_module(patches.MLA_MODULE)
+    if not patches.is_instrumented():
+        raise SystemExit(f"the add-on did not patch vLLM: {patches.state().skipped_reason}")
+    tiny = host.TINY_DEEPSEEK_V2
+    out: dict[str, Any] = {
+        "note": (
+            "Host cost of one prefill step on this machine's CPU with real vLLM objects: "
+            "DeepseekV2MLAAttention layers and one MLA metadata builder holding them all (one KV-cache "
+            f"group). A tiny model ({tiny['num_attention_heads']} heads, hidden {tiny['hidden_size']}, "
+            "R1 MLA dims): only host cost is timed. GPU backends are built with a GPU's device facts "
+            "patched in (tests/host.py gpu_view), their tensors on the CPU: no kernel runs (the "
+            "prepared instances' kernel call is a stub), and device-tensor arithmetic in a "
+            "preparation runs on the CPU instead of being launched."
+        ),
+        "definitions": {
+            "addon_prepare_us": "the add-on's wrapper around vLLM's build() minus that build inside "
+            "it: attach the host offsets, prepare each distinct backend instance once",
+            "stock_build_us": "the same builder's build() with the add-on deactivated (vLLM as shipped)",
+            "build_with_addon_us": "build() through the installed patch (what vLLM's model runner calls)",
+            "build_difference_us": "build_with_addon_us - stock_build_us (two separate calls: noisier)",
+            "hook_dispatch_us": "every layer's impl._run_prefill_new_tokens once: the lookup of the "
+            "prepared instance, then its kernel call (a stub)",
+            "plain_calls_us": "the stub called once per layer without the hooks (the floor)",
+            "per_layer_prepare_us": "prepare_metadata on every layer's own backend: the scheme "
+            "before the change, for comparison",
+        },
+        "prefills": STEP_PREFILLS,
+        "layers": layer_counts,
+        "steps": args.steps,
+        "rounds": args.step_rounds,
+        "warmup_steps_per_block": args.warmup,
+        "target_ratio": STEP_TARGET_RATIO,
+        "flashinfer_workspace_bytes": int(os.environ["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"]),
+        "backends": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = host.write_model_dir(Path(tmp) / "tiny-deepseek", num_hidden_layers=max(layer_counts))
+        for name in names:
+            res = step_one_backend(name, layer_counts, args, model_dir)
+            out["backends"].append(res)
+            for row in res.get("rows", []):
+                flat = {
+                    k: round(v, 2) if isinstance(v, float) else v for k, v in row.items() if k != "spread_us"
+                }
+                print(json.dumps({"mode": "step", "backend": name, **flat}), flush=True)
+            if "not_measurable" in res:
+                print(json.dumps({"mode": "step", "backend": name, "not_measurable": res["not_measurable"]}))
+    print("\n".join(["", out["note"], "", *step_markdown(out)]), flush=True)
+    return out
+
+
 def plot(kernel_rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -405,6 +772,8 @@ def markdown(out: dict[str, Any]) -> str:
     for err in [r for r in out.get("kernel", []) if "error" in r][:1]:
         n = sum("error" in r for r in out["kernel"])
         lines += [f"{n} cases failed to run; the first: {err['backend']} {err['dims']}: {err['error']}", ""]
+    if out.get("step"):
+        lines += step_markdown(out["step"])
     if out.get("selection"):
         lines += [
             "| op | dims | heads | seqs x tokens | fastest | automatic (SM90) | auto time / fastest |",
@@ -453,15 +822,15 @@ def environment() -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["kernel", "engine", "startup", "all", "report"])
+    parser.add_argument("mode", choices=["kernel", "engine", "startup", "step", "all", "report"])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the kernel plot (PNG) here")
     parser.add_argument("--quick", action="store_true", help="a smaller kernel grid")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--backends",
-        default="FLASH_ATTN,FLASHINFER,TORCH_SDPA",
-        help="kernel: comma-separated backends to time",
+        help=f"kernel, step: comma-separated backends to time (kernel: {KERNEL_BACKENDS}; "
+        f"step: {STEP_BACKENDS})",
     )
     parser.add_argument("--dims", choices=["r1", "non-r1", "all"], default="all", help="kernel grid shapes")
     parser.add_argument("--startup-reps", type=int, default=7)
@@ -471,10 +840,20 @@ def main() -> int:
     parser.add_argument("--results", default="/tmp/mla-bench-engine", help="engine scenario folder")
     parser.add_argument("--reuse", help="take engine results from this scenario folder")
     parser.add_argument("--gpus", default="0")
+    parser.add_argument("--layers", default="1,61", help="step: MLA layer counts to compare")
+    parser.add_argument("--steps", type=int, default=200, help="step: timed steps per layer count")
+    parser.add_argument("--warmup", type=int, default=5, help="step: untimed steps before each block")
+    parser.add_argument(
+        "--step-rounds", type=int, default=20, help="step: blocks the steps are split into (interleaved)"
+    )
     parser.add_argument("--kernel-log", help="report: rebuild the kernel results from a kernel run's log")
-    parser.add_argument("--markdown", help="report: write the tables as Markdown here")
+    parser.add_argument("--markdown", help="report, step: write the tables as Markdown here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.mode == "step":
+        # FlashInfer-family workspaces: reserved once per instance, never touched per step (untimed);
+        # small, so every layer's own backend can prepare for the old-scheme column.
+        os.environ.setdefault("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 20))
 
     out: dict[str, Any] = {"command": " ".join(sys.argv), "environment": environment()}
     if args.mode == "report":  # tables and plot from the rows a kernel run printed
@@ -491,6 +870,10 @@ def main() -> int:
         out["selection"] = fastest_per_shape(out["kernel"])
         if args.plot:
             plot(out["kernel"], args.plot)
+    if args.mode == "step":
+        out["step"] = bench_step(args)
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(out))
     if args.mode in ("engine", "all"):
         out["engine"] = bench_engine(args)
     if args.mode in ("startup", "all"):

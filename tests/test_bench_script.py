@@ -62,3 +62,29 @@ def test_report_rebuilds_the_recorded_h200_tables(tmp_path):
         "| new_tokens | 128,64,128 | 16 | 1x4096 | 645 / 629 (1.025)"
         in (ROOT / "docs" / "benchmarks.md").read_text()
     )
+
+
+def test_step_bench_times_the_preparation_per_layer_count(tmp_path):
+    """`step` on real vLLM objects: tables per backend, or the reason a backend cannot be timed here."""
+    out = tmp_path / "step.json"
+    proc = run_bench(
+        "step", "--layers", "1,2", "--steps", "5", "--step-rounds", "1", "--warmup", "1", "--json", str(out)
+    )
+    step = json.loads(out.read_text())["step"]
+    assert step["layers"] == [1, 2] and step["target_ratio"] == 1.2
+    by_name = {r["backend"]: r for r in step["backends"]}
+    assert list(by_name) == ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED"]
+    # FlashInfer's wrappers need the NVIDIA driver: reported, never faked.
+    assert "NVIDIA driver" in by_name["FLASHINFER"]["not_measurable"]
+    assert "rows" not in by_name["FLASHINFER"]
+    for name in ("TORCH_SDPA", "FLASH_ATTN", "TRTLLM_RAGGED"):
+        res = by_name[name]
+        assert [row["layers"] for row in res["rows"]] == [1, 2]
+        for row in res["rows"]:
+            assert row["steps"] == 5 and row["prepared_instances"] == 1  # one per builder, not per layer
+            for key in ("addon_prepare_us", "stock_build_us", "build_with_addon_us", "hook_dispatch_us"):
+                assert row[key] > 0, (name, key)
+        assert res["ratio_prepare"] == res["rows"][1]["addon_prepare_us"] / res["rows"][0]["addon_prepare_us"]
+        assert isinstance(res["meets_target"], bool)
+        assert f"{name} (" in proc.stdout
+    assert "| layers | add-on preparation in build() | stock build() |" in proc.stdout
