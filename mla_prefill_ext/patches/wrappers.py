@@ -251,7 +251,9 @@ def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     common = _arg(args, kwargs, "common_attn_metadata", 1)
     host = getattr(common, "query_start_loc_cpu", None)
     if host is not None:
-        # The prefills follow the decodes; vLLM builds the device tensor the same way.
+        # The prefills follow the decodes; vLLM builds the device tensor the same way. A fresh
+        # tensor, not a view: vLLM refills its host buffers for the next step while a kernel
+        # library may still be copying this step's offsets from them (non-blocking copies).
         start = metadata.num_decodes
         prefill.query_start_loc_cpu = host[start:] - host[start]
     prefill.mla_prefill_runners = runners
