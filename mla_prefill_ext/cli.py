@@ -1,5 +1,10 @@
 """Diagnostics: ``mla-prefill-ext info | select | check`` (also ``python -m mla_prefill_ext``).
 
+``info`` checks the installation (and says whether the add-on serves MLA prefill on
+this platform, and which backends claim a place in automatic selection), ``select``
+shows which backend would serve and the automatic order it used, ``check`` runs one
+prefill against a float64 reference, or with ``--conformance`` the conformance suite.
+
 Every command answers with a report, never with a traceback: a missing vLLM or
 PyTorch, a vLLM version the add-on does not support, a bad setting or a backend
 that fails are findings. Exit codes a script can use: 0 all is well, 1 a problem
@@ -29,6 +34,7 @@ EXIT_FAIL = EXIT_PROBLEM  # older name
 PROG = "mla-prefill-ext"
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_CHECK_REPEAT = 5
+DEFAULT_CHECK_DTYPE = "bfloat16"  # check's dtype; check --conformance runs every dtype in DTYPES
 
 
 # Command-line values, checked while parsing (argparse prints the usage line and exits 2)
@@ -295,10 +301,48 @@ def _entry_point_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
     return rows, findings
 
 
-def _backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
-    """Every backend name with its class path, where it comes from, and whether that class loads."""
-    from mla_prefill_ext.registry import registered_backends
+def _claim_row(member: Any, cls: type, cap: Any) -> tuple[dict[str, Any] | None, Finding | None]:
+    """A backend's claim on automatic selection, and whether it applies on this device."""
+    from mla_prefill_ext.backends.base import AutoSelectClaim
 
+    raw = getattr(cls, "auto_select_claim", None)
+    try:
+        claim = AutoSelectClaim.of(raw)
+    except (TypeError, ValueError) as e:
+        message = (
+            f"MLA prefill backend {member.name} has an invalid auto_select_claim ({e}), so automatic "
+            "selection fails; give an AutoSelectClaim or a dict with 'capabilities' and 'before'."
+        )
+        row = {"capabilities": None, "before": None, "applies_here": False, "ignored": None, "error": str(e)}
+        return row, Finding("problem", message)
+    if claim is None:
+        return None, None
+    row: dict[str, Any] = {
+        "capabilities": list(claim.capabilities),
+        "before": claim.before,
+        "applies_here": False,
+        "ignored": None,
+        "error": None,
+    }
+    if member.value is not None:
+        row["ignored"] = "built-in backends keep their own place in automatic selection"
+    else:
+        row["applies_here"] = claim.matches(cap)
+    return row, None
+
+
+def _claim_text(claim: dict[str, Any]) -> str:
+    """``claim: 9.x, cpu; before FLASH_ATTN`` (as select and info show it)."""
+    return f"claim: {', '.join(claim['capabilities'])}; before {claim['before']}"
+
+
+def _backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
+    """Every backend name with its class path, where it comes from, whether that class loads,
+    and its claim on automatic selection (with whether it applies on this device)."""
+    from mla_prefill_ext.registry import registered_backends
+    from mla_prefill_ext.selector import current_device_capability
+
+    cap = current_device_capability()
     rows, findings = [], []
     for member, path in registered_backends():
         source = member.source()  # built-in, registered by call, entry point of package X, not registered
@@ -308,15 +352,19 @@ def _backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
             kind = f"built-in, overridden: {source}"
         else:
             kind = source
-        error = None
+        error = claim = None
         if path is not None:
             try:
-                member.get_class()
+                cls = member.get_class()
             except Exception as e:  # ImportError/TypeError/ValueError, or whatever the module raises
                 error = str(e).rstrip(".")
                 if not error.startswith(f"MLA prefill backend {member.name}"):
                     error = f"MLA prefill backend {member.name} cannot be loaded: {error}"
                 findings.append(Finding("problem", f"{error}."))
+            else:
+                claim, claim_finding = _claim_row(member, cls, cap)
+                if claim_finding is not None:
+                    findings.append(claim_finding)
         rows.append(
             {
                 "name": member.name,
@@ -325,6 +373,7 @@ def _backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
                 "class_path": path,
                 "loads": None if path is None else error is None,
                 "error": error,
+                "claim": claim,
             }
         )
     return rows, findings
@@ -355,6 +404,7 @@ def _choice_report(disabled: bool) -> tuple[dict[str, Any], list[str], list[Find
         "source": "automatic" if choice is None else choice.source,
         "capability": None if cap is None else f"{cap.major}.{cap.minor}",
         "selected_here": None,
+        "selected_by_claim": False,
         "error": None,
     }
     lines = []
@@ -377,18 +427,81 @@ def _choice_report(disabled: bool) -> tuple[dict[str, Any], list[str], list[Find
                     f"the names are {names} (any case), or auto"
                 ) from None
         selection = select(cap, config, choice)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
         info["error"] = str(e)
-        findings.append(Finding("problem", str(e) if str(e).endswith(".") else f"{e}."))
+        message = str(e) if isinstance(e, ValueError) else f"Automatic selection fails: {e}"
+        findings.append(Finding("problem", message if message.endswith(".") else f"{message}."))
         lines.append(f"  {here}: it cannot serve (see the findings)")
     else:
         info["selected_here"] = selection.name
-        lines.append(f"  {here}: {selection.name} would serve")
+        by_claim = selection.source == "automatic" and MLAPrefillBackendEnum[selection.name].value is None
+        info["selected_by_claim"] = by_claim
+        joined = " (it joined automatic selection by its claim)" if by_claim else ""
+        lines.append(f"  {here}: {selection.name} would serve{joined}")
     if disabled and choice is not None:
         findings.append(
             Finding("problem", f"{choice.source} has no effect: the add-on is disabled, so vLLM runs stock.")
         )
     return info, lines, findings
+
+
+# vLLM's platform predicates, in order, and the name info shows for each.
+_PLATFORMS = (
+    ("is_cuda", "CUDA"),
+    ("is_rocm", "ROCm"),
+    ("is_xpu", "XPU"),
+    ("is_tpu", "TPU"),
+    ("is_cpu", "CPU"),
+    ("is_unspecified", "none"),
+)
+
+
+def _platform_report() -> tuple[dict[str, Any], list[Finding]]:
+    """vLLM's platform in this process, and whether the add-on takes over MLA prefill there."""
+    from mla_prefill_ext.patches.scope import platform_reason
+
+    try:
+        from vllm.platforms import current_platform
+
+        name = type(current_platform).__name__
+        for predicate, label in _PLATFORMS:
+            test = getattr(current_platform, predicate, None)
+            if callable(test) and test():
+                name = label
+                break
+        reason = platform_reason()
+    except Exception as e:  # vLLM cannot tell its platform: nothing it starts would run
+        error = _describe_exception(e)
+        info = {"name": None, "vllm_platform": None, "served": None, "reason": None, "error": error}
+        return info, [Finding("problem", f"vLLM cannot determine its platform here ({error}).")]
+    info = {
+        "name": name,
+        "vllm_platform": type(current_platform).__name__,
+        "served": reason is None,
+        "reason": reason,
+        "error": None,
+    }
+    return info, []
+
+
+def _platform_line(info: dict[str, Any], addon_serves: bool, disabled: bool) -> str:
+    """The ``platform:`` line of ``info`` (``addon_serves``: active and vLLM's layer patched)."""
+    from mla_prefill_ext.settings import BACKEND_ENV
+
+    if info["error"] is not None:
+        return "platform: unknown (see the findings)"
+    name = info["name"]
+    if name == "none":
+        name = "none (vLLM detected no GPU platform)"
+    if not info["served"]:
+        return (
+            f"platform: {name}: vLLM's own MLA prefill stays ({info['reason']}); an explicit "
+            f"{BACKEND_ENV} is honoured if a backend can serve it"
+        )
+    if addon_serves:
+        return f"platform: {name}: the add-on serves MLA prefill here"
+    why = "it is disabled" if disabled else "it is not active: see the add-on line"
+    return f"platform: {name}: the add-on would serve MLA prefill here ({why})"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -492,6 +605,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         addon = "not active (see the findings)"
 
+    platform_info, platform_findings = _platform_report()
+    findings += platform_findings
     choice, choice_lines, choice_findings = _choice_report(disabled)
     findings += choice_findings
     findings += _overrides_findings(os.environ.get(OVERRIDES_ENV))
@@ -506,6 +621,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         code = EXIT_PROBLEM
     elif disabled:
         verdict = "ok: the add-on is disabled, as set; vLLM runs its stock MLA prefill."
+        code = EXIT_OK
+    elif platform_info["served"] is False:
+        verdict = (
+            "ok: the add-on is active and vLLM's MLA layer is patched; on this platform vLLM's own "
+            f"MLA prefill stays unless a backend is chosen explicitly ({BACKEND_ENV})."
+        )
         code = EXIT_OK
     else:
         verdict = "ok: the add-on is active and vLLM's MLA layer is patched."
@@ -524,6 +645,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "active": active,
         "patched": patched,
         "skipped_reason": st.skipped_reason,
+        "platform": platform_info,
         "targets": [
             {"target": t.path, "role": "wraps" if t.wrapped else "reads", "problem": t.problem}
             for t in targets
@@ -542,6 +664,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"vLLM {host.vllm_version}: {vllm_state} (the add-on supports {_supported_range()})",
         f"PyTorch {host.torch_version}",
         f"add-on: {addon}",
+        _platform_line(platform_info, patched and not disabled, disabled),
         f"patch targets in {patches.MLA_MODULE} (the add-on wraps or reads each):",
         *(
             f"  {'ok     ' if t.ok else 'PROBLEM'}  {'wraps' if t.wrapped else 'reads'}  {t.path}"
@@ -571,9 +694,20 @@ def _backend_line(b: dict[str, Any]) -> str:
     kind = b["kind"]
     if b["class_path"] is None:
         return f"  -        {b['name']} ({kind}): not registered"
-    if b["loads"]:
+    if not b["loads"]:
+        return f"  PROBLEM  {b['name']} ({kind}): {b['class_path']} (see the findings)"
+    claim = b["claim"]
+    if claim is None:
         return f"  ok       {b['name']} ({kind}): {b['class_path']}"
-    return f"  PROBLEM  {b['name']} ({kind}): {b['class_path']} (see the findings)"
+    if claim["error"] is not None:
+        return f"  PROBLEM  {b['name']} ({kind}): {b['class_path']}; invalid claim (see the findings)"
+    if claim["ignored"]:
+        where = f"ignored: {claim['ignored']}"
+    elif claim["applies_here"]:
+        where = "applies on this device"
+    else:
+        where = "does not apply on this device"
+    return f"  ok       {b['name']} ({kind}): {b['class_path']}; {_claim_text(claim)} ({where})"
 
 
 # select
@@ -584,10 +718,12 @@ def cmd_select(args: argparse.Namespace) -> int:
     if host.problems:
         return _cannot_check(args, host)
     _note_unsupported(host)
-    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.registry import registered_backends
     from mla_prefill_ext.selector import (
         MLAPrefillSelectorConfig,
+        builtin_priorities,
         check_backend,
+        claims,
         mla_prefill_backend_priorities,
         select,
     )
@@ -595,10 +731,26 @@ def cmd_select(args: argparse.Namespace) -> int:
     choice = _backend_choice(args)
     cap = _capability(args.capability)
     config = MLAPrefillSelectorConfig.from_dims(_dtype(args.dtype), *_dims(args.dims))
-    order = [m.name for m in mla_prefill_backend_priorities(cap)]
+    # The automatic order, with the out-of-tree backends that joined it by a claim on this
+    # device (this also discovers the installed backend packages).
+    try:
+        order = [m.name for m in mla_prefill_backend_priorities(cap)]
+        claimed = {
+            m.name: {
+                "name": m.name,
+                "source": m.source(),
+                "capabilities": list(c.capabilities),
+                "before": c.before,
+            }
+            for m, c in claims(cap)
+        }
+    except (TypeError, ValueError) as e:  # a backend's auto_select_claim is malformed
+        order, claimed, order_error = None, {}, str(e)
+    else:
+        order_error = None
     candidates = []
-    for member in MLAPrefillBackendEnum:
-        if member.value is None and not member.is_overridden():
+    for member, path in registered_backends():
+        if path is None:
             continue  # CUSTOM-like, nothing registered
         _, reasons = check_backend(member, cap, config)
         candidates.append({"name": member.name, "valid": not reasons, "reasons": reasons})
@@ -606,25 +758,40 @@ def cmd_select(args: argparse.Namespace) -> int:
     try:
         selection = select(cap, config, choice)
         chosen, source = selection.name, selection.source
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         chosen, source, error = None, (choice.source if choice else "automatic"), str(e)
+    by_claim = chosen is not None and source == "automatic" and chosen in claimed
     payload = {
         "capability": None if cap is None else f"{cap.major}.{cap.minor}",
         "dtype": str(config.dtype).removeprefix("torch."),
         "r1_dims": config.is_r1_compatible,
         "automatic_order": order,
+        "automatic_order_error": order_error,
+        "builtin_order": [m.name for m in builtin_priorities(cap)],
+        "claims": list(claimed.values()),
         "requested": choice.name if choice else "AUTO",
         "source": source,
         "selected": chosen,
+        "selected_by_claim": by_claim,
         "error": error,
         "candidates": candidates,
     }
+    if order is None:
+        shown_order = f"cannot be made: {order_error}"
+    else:
+        shown_order = " > ".join(f"{n} ({_claim_text(claimed[n])})" if n in claimed else n for n in order)
+    if chosen:
+        selected = f"selected: {chosen}" + (
+            " (it joined automatic selection by its claim)" if by_claim else ""
+        )
+    else:
+        selected = f"selected: none\nerror: {error}"
     lines = [
         f"capability {_cap_str(cap)}, dtype {payload['dtype']}, DeepSeek-R1 MLA dims: "
         f"{'yes' if config.is_r1_compatible else 'no'}",
-        f"automatic order: {' > '.join(order)}",
+        f"automatic order: {shown_order}",
         f"requested: {payload['requested']} ({source})",
-        f"selected: {chosen}" if chosen else f"selected: none\nerror: {error}",
+        selected,
         "candidates:",
         *(
             f"  {c['name']:<14} {'valid' if c['valid'] else 'invalid: ' + '; '.join(c['reasons'])}"
@@ -674,13 +841,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if host.problems:
         return _cannot_check(args, host)
     _note_unsupported(host)
+    if args.conformance:
+        return _check_conformance(args, host)
 
     from mla_prefill_ext.problem import deepseek_yarn_scale, make_problem, run_backend
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability, select
 
     choice = _backend_choice(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = _dtype(args.dtype)
+    dtype = _dtype(args.dtype or DEFAULT_CHECK_DTYPE)
     cap = current_device_capability() if device == "cuda" else None
     config = MLAPrefillSelectorConfig.from_dims(dtype, 128, 64, 128)
     base = {
@@ -690,7 +859,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     }
     try:
         selection = select(cap, config, choice)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
         return _failure(args, base, str(e))
     base["backend"] = selection.name
     scale = deepseek_yarn_scale()
@@ -770,6 +939,69 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_PROBLEM
 
 
+def _is_class_path(text: str) -> bool:
+    """``pkg.module.Class`` or ``pkg.module:Class`` (a backend name is an identifier)."""
+    return "." in text or ":" in text
+
+
+def _check_conformance(args: argparse.Namespace, host: Host) -> int:
+    """``check --conformance``: the conformance suite (mla_prefill_ext.testing) on one backend."""
+    import torch
+
+    from mla_prefill_ext.registry import load_backend_class, lookup
+    from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability, select
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cap = current_device_capability() if device == "cuda" else None
+    base: dict[str, Any] = {
+        "mode": "conformance",
+        "device": device,
+        "capability": None if cap is None else f"{cap.major}.{cap.minor}",
+        "dtypes": [args.dtype] if args.dtype else list(DTYPES),
+        "seed": args.seed,
+    }
+    # The backend: --backend (a name, checked while parsing, or a class path), else the one the
+    # selector picks here (MLA_PREFILL_BACKEND, else automatic) for a DeepSeek-R1 model.
+    if args.backend and _is_class_path(args.backend):
+        name, source, cls = args.backend, "--backend, a class path", None
+    elif args.backend:
+        name, source, cls = lookup(_backend_choice(args).name).name, "--backend", None
+    else:
+        config = MLAPrefillSelectorConfig.from_dims(_dtype(args.dtype or DEFAULT_CHECK_DTYPE), 128, 64, 128)
+        try:
+            selection = select(cap, config, _backend_choice(args))
+        except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
+            return _failure(args, base, str(e))
+        name, source, cls = selection.name, selection.source, selection.backend
+    base.update(backend=name, source=source)
+    if cls is None:
+        try:
+            if _is_class_path(name):
+                cls = load_backend_class(name.replace(":", "."), name)
+            else:
+                cls = lookup(name).get_class()
+        except Exception as e:  # ImportError/TypeError/ValueError, or whatever the module raises
+            error = str(e).rstrip(".")
+            if not error.startswith(f"MLA prefill backend {name}"):
+                error = f"MLA prefill backend {name} cannot be loaded: {error}"
+            return _failure(args, base, error)
+
+    from mla_prefill_ext.testing import run_conformance
+
+    try:
+        report = run_conformance(cls, device=device, dtype=args.dtype, seed=args.seed)
+    except Exception as e:  # the suite itself failed (a bad backend is reported, never raised)
+        message = f"the conformance suite cannot run with vLLM {host.vllm_version}: {_describe_exception(e)}"
+        _emit(args, {**base, "ok": False, "error": message}, [f"cannot check: {message}"])
+        return EXIT_CANNOT_CHECK
+    payload = {**report.to_dict(), **base, "get_name": report.backend}
+    where = "selected automatically here" if source == "automatic" else f"from {source}"
+    named = "" if report.backend == name else f"; its get_name() is {report.backend}"
+    lines = [f"backend under test: {name} ({where}{named})", report.format()]
+    _emit(args, payload, lines)
+    return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
 # The command line
 
 
@@ -833,15 +1065,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check",
-        help="run one MLA prefill through the selected backend against a float64 reference",
+        help="run one MLA prefill through the selected backend against a float64 reference "
+        "(or, with --conformance, the conformance suite)",
         description="Run one MLA prefill (new tokens plus two context chunks, DeepSeek-V2-Lite "
-        "sized) through the selected backend and compare it with a float64 reference.",
+        "sized) through the selected backend and compare it with a float64 reference. With "
+        "--conformance, run the conformance suite instead: every property a backend must hold, "
+        "each checked on every dtype, MLA head dims and head count the backend can serve.",
         epilog="Exit codes: 0 pass, 1 fail, 2 cannot check.",
     )
     p.add_argument(
         "--backend",
         metavar="NAME",
-        help="the backend to run, any case (default: MLA_PREFILL_BACKEND, else automatic)",
+        help="the backend to run, any case (default: MLA_PREFILL_BACKEND, else automatic); with "
+        "--conformance also a class path, pkg.module.Class",
+    )
+    p.add_argument(
+        "--conformance",
+        action="store_true",
+        help="run the conformance suite (mla_prefill_ext.testing.run_conformance) on the backend "
+        "and report each property; --repeat does not apply",
     )
     p.add_argument(
         "--device",
@@ -849,7 +1091,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to run (default: cuda when PyTorch sees a GPU, else cpu)",
     )
     p.add_argument(
-        "--dtype", default="bfloat16", choices=DTYPES, help="the dtype of q, k and v (default: %(default)s)"
+        "--dtype",
+        choices=DTYPES,
+        help=f"the dtype of q, k and v (default: {DEFAULT_CHECK_DTYPE}; with --conformance: each of "
+        f"{', '.join(DTYPES)})",
     )
     p.add_argument(
         "--repeat",

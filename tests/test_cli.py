@@ -101,6 +101,20 @@ class Broken(TorchSDPAPrefillBackend):
         raise RuntimeError("kernel exploded")
 """
 
+CLAIM_BACKEND = """
+from mla_prefill_ext.backends.base import AutoSelectClaim
+from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+
+class DemoClaimBackend(TorchSDPAPrefillBackend):
+    auto_select_claim = AutoSelectClaim(("cpu",))
+
+    @staticmethod
+    def get_name():
+        return "DEMO_CLAIM"
+"""
+CLAIM_CLASS = "demo_claim_backend.DemoClaimBackend"
+
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -114,6 +128,15 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-backends\nVersion: 0.1\n")
     (dist_info / "entry_points.txt").write_text("[mla_prefill_ext.backends]\nDEMO_BAD = nodots\n")
+    # An installed backend package that claims a place in automatic selection on a CPU.
+    claim_site = root / "claim_packages"
+    dist_info = claim_site / "demo_claim-0.1.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-claim\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[mla_prefill_ext.backends]\nDEMO_CLAIM = demo_claim_backend:DemoClaimBackend\n"
+    )
+    (claim_site / "demo_claim_backend.py").write_text(CLAIM_BACKEND)
     return root
 
 
@@ -147,6 +170,12 @@ def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
 
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return finish(start(["-m", "mla_prefill_ext", *args], env))
+
+
+def cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def assert_no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
@@ -187,6 +216,26 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
         ["check", "--backend", "BROKEN", "--repeat", "1", "--json"],
         {"MLA_PREFILL_BACKEND_OVERRIDES": '{"BROKEN": "broken_backend.Broken"}'},
     ),
+    # The conformance suite (a few seconds per dtype on a CPU: one run takes every dtype).
+    "conformance_sdpa": (["check", "--backend", "TORCH_SDPA", "--conformance"], {}),
+    "conformance_mutant": (
+        ["check", "--backend", "custom", "--conformance", "--dtype", "bfloat16"],
+        {"MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": "conformance_mutants.Base2LSE"}'},
+    ),
+    "conformance_claim_json": (["check", "--conformance", "--dtype", "bfloat16", "--json"], {}),
+    # An installed backend package that claims a place in automatic selection here.
+    "info_claim": (["info"], {}),
+    "select_claim": (["select"], {}),
+    "select_claim_json": (["select", "--capability", "cpu", "--json"], {}),
+}
+# Extra PYTHONPATH entries per run: installed packages (in the harness), the mutants (tests/).
+SLOW_RUN_PATHS: dict[str, list[str]] = {
+    "info_bad_settings": ["packages", "claim_packages"],  # this user also installed packages
+    "conformance_mutant": [str(ROOT / "tests")],
+    "conformance_claim_json": ["claim_packages"],
+    "info_claim": ["claim_packages"],
+    "select_claim": ["claim_packages"],
+    "select_claim_json": ["claim_packages"],
 }
 
 
@@ -195,8 +244,8 @@ def slow(harness: Path) -> Iterator[dict[str, Any]]:
     procs = {}
     for name, (args, extra) in SLOW_RUNS.items():
         env = cli_env(harness, **extra)
-        if name == "info_bad_settings":  # this user also installed a broken backend package
-            env["PYTHONPATH"] = os.pathsep.join([str(harness / "packages"), env["PYTHONPATH"]])
+        paths = [str(harness / p) for p in SLOW_RUN_PATHS.get(name, [])]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, env["PYTHONPATH"]])
         procs[name] = start(["-m", "mla_prefill_ext", *args], env)
     results: dict[str, subprocess.CompletedProcess[str]] = {}
 
@@ -234,7 +283,7 @@ def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
     assert "shim" not in parser.format_help().lower()
     proc = run("check", "--help", env=cli_env())
     assert proc.returncode == 0
-    for flag in ("--backend", "--device", "--dtype", "--repeat", "--seed", "--json"):
+    for flag in ("--backend", "--conformance", "--device", "--dtype", "--repeat", "--seed", "--json"):
         assert flag in proc.stdout
     assert "timed runs after one warm-up run" in proc.stdout
 
@@ -247,6 +296,8 @@ def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
         (["check", "--seed", "-1"], "argument --seed"),
         (["check", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["check", "--conformance", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["check", "--conformance", "--seed", "x"], "argument --seed"),
         (["select", "--capability", "99.9"], "argument --capability: expected a CUDA compute capability"),
         (["select", "--capability", "9"], "argument --capability"),
         (["select", "--capability", "0.5"], "argument --capability"),
@@ -396,8 +447,23 @@ def test_info_reports_bad_settings_and_tries_every_registration(slow: dict[str, 
     assert messages[0].startswith("MLA_PREFILL_BACKEND is set to 'nonsense', which is not a backend name;")
     assert any("entry '1BAD' is ignored" in m for m in messages)
     assert any("entry 'OTHER' is ignored: its class path must be a string" in m for m in messages)
-    (package,) = report["backend_packages"]
-    assert package["name"] == "DEMO_BAD" and package["distribution"] == "demo-backends"
+    packages = {p["name"]: p for p in report["backend_packages"]}
+    assert set(packages) == {"DEMO_BAD", "DEMO_CLAIM"}
+    assert packages["DEMO_BAD"]["distribution"] == "demo-backends" and packages["DEMO_BAD"]["problem"]
+    assert packages["DEMO_CLAIM"]["problem"] is None
+    # Each backend's claim on automatic selection, and whether it applies on this device.
+    assert backends["DEMO_CLAIM"]["class_path"] == CLAIM_CLASS and backends["DEMO_CLAIM"]["loads"]
+    assert backends["DEMO_CLAIM"]["claim"] == {
+        "capabilities": ["cpu"],
+        "before": "FLASH_ATTN",
+        "applies_here": not cuda_here(),
+        "ignored": None,
+        "error": None,
+    }
+    assert backends["TORCH_SDPA"]["claim"] is None
+    # Where the add-on takes over vLLM's MLA prefill: CUDA, CPU and no platform.
+    assert report["platform"]["served"] is True and report["platform"]["reason"] is None
+    assert report["platform"]["name"] in ("CUDA", "CPU", "none")
     assert any(
         m.startswith("The mla_prefill_ext.backends entry point DEMO_BAD = 'nodots' of package demo-backends")
         for m in messages
@@ -439,4 +505,160 @@ def test_check_never_crashes_on_a_backend_that_cannot_run(slow: dict[str, Any]) 
     assert_no_traceback(proc)
     report = json.loads(proc.stdout)
     assert report["ok"] is False and report["backend"] == "BROKEN"
+    assert report["dtype"] == "bfloat16"  # the plain check's default (--conformance: every dtype)
     assert report["error"] == "backend BROKEN failed: RuntimeError: kernel exploded (at broken_backend.py:11)"
+
+
+# check --conformance: the conformance suite (mla_prefill_ext.testing)
+
+
+def property_lines(out: str) -> dict[str, str]:
+    """``{property: PASS|FAIL|SKIP}`` from the report's properties section."""
+    from mla_prefill_ext.testing import PROPERTIES
+
+    found = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in ("PASS", "FAIL", "SKIP") and parts[1] in PROPERTIES:
+            found[parts[1]] = parts[0]
+    return found
+
+
+def test_check_conformance_reports_every_property(slow: dict[str, Any]) -> None:
+    from mla_prefill_ext.testing import PROPERTIES
+
+    proc = slow["conformance_sdpa"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    out = proc.stdout
+    assert out.startswith(
+        "backend under test: TORCH_SDPA (from --backend)\n"
+        "MLA prefill conformance: TORCH_SDPA (mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend)\n"
+    )
+    # Every dtype by default: 3 dtypes x 2 MLA head dims x 2 head counts.
+    assert "cases: 12 run, 0 skipped" in out
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert f"  run   {dtype}, qk 128+64 v 128, 16 heads" in out
+    assert property_lines(out) == dict.fromkeys(PROPERTIES, "PASS")
+    assert "\nRESULT: PASS\n" in out
+
+
+def test_check_conformance_json_on_the_backend_selected_here(slow: dict[str, Any]) -> None:
+    """Without --backend: the backend the selector picks here (the installed one, by its claim)."""
+    from mla_prefill_ext.testing import PROPERTIES
+
+    proc = slow["conformance_claim_json"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True and report["mode"] == "conformance"
+    expected = "DEMO_CLAIM" if not cuda_here() else report["backend"]
+    assert report["backend"] == expected and report["source"] == "automatic"
+    if not cuda_here():
+        assert report["class"] == CLAIM_CLASS and report["get_name"] == "DEMO_CLAIM"
+    assert report["dtypes"] == ["bfloat16"] and {c["dtype"] for c in report["cases"]} == {"bfloat16"}
+    assert report["seed"] == 0 and report["failed_properties"] == []
+    assert {p: v["status"] for p, v in report["properties"].items()} == dict.fromkeys(PROPERTIES, "pass")
+
+
+def test_check_conformance_names_the_property_a_wrong_backend_fails(slow: dict[str, Any]) -> None:
+    from conformance_mutants import Base2LSE
+
+    proc = slow["conformance_mutant"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    out = proc.stdout
+    assert out.startswith(
+        "backend under test: CUSTOM (from --backend; its get_name() is MUTANT)\n"
+        "MLA prefill conformance: MUTANT (conformance_mutants.Base2LSE)\n"
+    )
+    statuses = property_lines(out)
+    assert statuses[Base2LSE.FAILS] == "FAIL"
+    assert statuses["scale"] == statuses["causal"] == "PASS"  # one bug, reported under its own name
+    result = next(line for line in out.splitlines() if line.startswith("RESULT: "))
+    assert result.startswith("RESULT: FAIL (") and Base2LSE.FAILS in result
+
+
+# Where the add-on serves, and out-of-tree backends' claims on automatic selection
+
+
+def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -> None:
+    proc = slow["info_claim"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    (platform_line,) = [line for line in lines if line.startswith("platform: ")]
+    assert platform_line.endswith(": the add-on serves MLA prefill here"), platform_line
+    if not cuda_here():
+        assert platform_line in (
+            "platform: CPU: the add-on serves MLA prefill here",
+            "platform: none (vLLM detected no GPU platform): the add-on serves MLA prefill here",
+        )
+    where = "does not apply on this device" if cuda_here() else "applies on this device"
+    assert (
+        f"  ok       DEMO_CLAIM (entry point of package demo-claim): {CLAIM_CLASS}; "
+        f"claim: cpu; before FLASH_ATTN ({where})"
+    ) in lines
+    assert (
+        "  ok       TORCH_SDPA (built-in): mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
+        in lines
+    )
+    if not cuda_here():
+        assert any(
+            line.endswith(": DEMO_CLAIM would serve (it joined automatic selection by its claim)")
+            for line in lines
+        )
+    assert lines[-1] == "verdict: ok: the add-on is active and vLLM's MLA layer is patched."
+
+
+def test_the_platform_line_says_where_vllms_own_prefill_stays() -> None:
+    """ROCm, XPU and other platforms cannot be had here: the line info prints for each case."""
+    from mla_prefill_ext.cli import _platform_line
+
+    served = {"name": "CUDA", "served": True, "reason": None, "error": None}
+    assert _platform_line(served, True, False) == "platform: CUDA: the add-on serves MLA prefill here"
+    assert _platform_line({**served, "name": "none"}, True, False) == (
+        "platform: none (vLLM detected no GPU platform): the add-on serves MLA prefill here"
+    )
+    assert _platform_line(served, False, True) == (
+        "platform: CUDA: the add-on would serve MLA prefill here (it is disabled)"
+    )
+    rocm = {
+        "name": "ROCm",
+        "served": False,
+        "reason": "platform RocmPlatform has its own kernels",
+        "error": None,
+    }
+    assert _platform_line(rocm, True, False) == (
+        "platform: ROCm: vLLM's own MLA prefill stays (platform RocmPlatform has its own kernels); "
+        "an explicit MLA_PREFILL_BACKEND is honoured if a backend can serve it"
+    )
+    broken = {"name": None, "served": None, "reason": None, "error": "RuntimeError: no platform"}
+    assert _platform_line(broken, True, False) == "platform: unknown (see the findings)"
+
+
+def test_select_marks_a_backend_that_joined_by_its_claim(slow: dict[str, Any]) -> None:
+    report = json.loads(slow["select_claim_json"].stdout)  # --capability cpu: as on this machine
+    assert report["automatic_order"] == ["DEMO_CLAIM", "TORCH_SDPA"]
+    assert report["builtin_order"] == ["TORCH_SDPA"]
+    assert report["claims"] == [
+        {
+            "name": "DEMO_CLAIM",
+            "source": "entry point of package demo-claim",
+            "capabilities": ["cpu"],
+            "before": "FLASH_ATTN",
+        }
+    ]
+    assert report["selected"] == "DEMO_CLAIM" and report["selected_by_claim"] is True
+    assert {"name": "DEMO_CLAIM", "valid": True, "reasons": []} in report["candidates"]
+
+    if cuda_here():
+        pytest.skip("the human report below is for a machine without a GPU")
+    proc = slow["select_claim"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    assert "automatic order: DEMO_CLAIM (claim: cpu; before FLASH_ATTN) > TORCH_SDPA" in lines
+    assert "requested: AUTO (automatic)" in lines
+    assert "selected: DEMO_CLAIM (it joined automatic selection by its claim)" in lines
+    assert "  DEMO_CLAIM     valid" in lines
