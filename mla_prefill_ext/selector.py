@@ -109,10 +109,10 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
             continue
         try:
             cls = member.get_class()
+            claim = AutoSelectClaim.of(getattr(cls, "auto_select_claim", None))
         except (ImportError, TypeError, ValueError) as e:
             _warn_unloadable_once(member.name, str(e))
             continue
-        claim = AutoSelectClaim.of(getattr(cls, "auto_select_claim", None))
         if claim is not None and claim.matches(capability):
             found.append((member, claim))
     return found

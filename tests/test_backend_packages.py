@@ -247,3 +247,17 @@ def test_the_first_copy_of_a_package_on_sys_path_wins(site, tmp_path_factory, cl
     finally:
         sys.path.remove(str(later))
     assert status.problem is None and status.class_path == "fakepkg_one.FakeOneBackend"
+
+
+def test_a_malformed_claim_leaves_the_backend_out_of_automatic_selection(site, addon_log):
+    install(
+        site,
+        "fakepkg-claim",
+        {"FAKE_CLAIM": "fakepkg_claim:FakeClaimBackend"},
+        {"fakepkg_claim": fake_backend("FAKE_CLAIM", '"cpu"')},
+    )
+    assert selector.select(None, R1_BF16).name == "TORCH_SDPA"
+    assert any("FAKE_CLAIM is left out of automatic selection" in r.getMessage() for r in addon_log)
+    # Still selectable by name: the claim only concerns automatic selection.
+    explicit = selector.select(None, R1_BF16, selector.Choice("FAKE_CLAIM", "MLA_PREFILL_BACKEND", True))
+    assert explicit.name == "FAKE_CLAIM"
