@@ -82,15 +82,7 @@ def _wrapper_table(module: ModuleType) -> list[tuple[str, Any]]:
 
 def _explicit_choice() -> str | None:
     """The user's explicit backend choice visible in this process, if any."""
-    from mla_prefill_ext.settings import explicit_choice
-
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        config = get_current_vllm_config_or_none()
-    except ImportError:
-        config = None
-    choice = explicit_choice(getattr(config, "additional_config", None))
+    choice = wrappers.current_explicit_choice()
     return f"{choice.source}={choice.name}" if choice else None
 
 

@@ -43,17 +43,21 @@ def prefill_is_ours(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool
     """
     from mla_prefill_ext.patches.scope import platform_reason
 
-    if platform_reason() is not None and _explicit() is None:
+    if platform_reason() is not None and current_explicit_choice() is None:
         return wrapped(*args, **kwargs)
     return False
 
 
-def _explicit() -> Any:
-    from vllm.config import get_current_vllm_config_or_none
-
+def current_explicit_choice() -> Any:
+    """The user's explicit choice for the engine configuration being built here (or None)."""
     from mla_prefill_ext import settings
 
-    config = get_current_vllm_config_or_none()
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except ImportError:
+        config = None
     return settings.explicit_choice(getattr(config, "additional_config", None))
 
 
@@ -65,7 +69,7 @@ def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, 
     from mla_prefill_ext.patches.scope import platform_reason
     from mla_prefill_ext.selector import get_mla_prefill_backend
 
-    if platform_reason() is not None and _explicit() is None:
+    if platform_reason() is not None and current_explicit_choice() is None:
         return wrapped(*args, **kwargs)
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or not current_platform.is_device_capability_family(100):
@@ -87,7 +91,9 @@ def make_impl_init_wrapper(mla_module: ModuleType) -> Any:
     def impl_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         from mla_prefill_ext.patches.scope import stock_reason
 
-        reason = stock_reason(instance, mla_module.MLACommonImpl, explicit=_explicit() is not None)
+        reason = stock_reason(
+            instance, mla_module.MLACommonImpl, explicit=current_explicit_choice() is not None
+        )
         if reason is not None:
             instance._mla_prefill_stock_reason = reason
             wrapped(*args, **kwargs)
