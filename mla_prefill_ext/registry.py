@@ -96,7 +96,7 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
         with _LOCK:
             _OVERRIDES.pop(self.name, None)
             _mirror_to_environment()
-        _clear_selector_cache()
+        _changed()
 
     @property
     def is_builtin(self) -> bool:
@@ -115,6 +115,7 @@ _OVERRIDES: dict[str, str] = {}
 # name -> (class path, distribution): installed backend packages (see mla_prefill_ext.discovery).
 # Not mirrored to the environment: each process discovers its own installed packages.
 _ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
+_GENERATION = 0
 
 
 def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
@@ -275,15 +276,21 @@ def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:
     with _LOCK:
         _OVERRIDES[member.name] = class_path
         _mirror_to_environment()
-    _clear_selector_cache()
+    _changed()
     logger.info("Registered MLA prefill backend %s -> %s", member.name, class_path)
 
 
-def _clear_selector_cache() -> None:
-    # A selection cached before the registration must not outlive it.
-    from mla_prefill_ext import selector
+def _changed() -> None:
+    # The selector keys its cache on this counter: a selection made before a
+    # registration never outlives it, and the registry knows nothing of selection.
+    global _GENERATION
+    with _LOCK:
+        _GENERATION += 1
 
-    selector.clear_cache()
+
+def generation() -> int:
+    """A counter that moves on every registration change (for caches of selections)."""
+    return _GENERATION
 
 
 def register_mla_prefill_backend(
@@ -346,7 +353,7 @@ def register_entry_point(name: str, class_path: str, distribution: str | None) -
             _ENTRY_POINTS[member.name] = (class_path, distribution)
     except (TypeError, ValueError) as e:
         return str(e)
-    _clear_selector_cache()
+    _changed()
     if member.name in _OVERRIDES:
         logger.info(
             "MLA prefill backend %s: the registration by call (%s) wins over the entry point of %s.",

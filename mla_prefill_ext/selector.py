@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from mla_prefill_ext import registry
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.backends.base import R1_MLA_DIMS, AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
@@ -222,6 +223,7 @@ def _select_cached(
     capability: DeviceCapability | None,
     config: MLAPrefillSelectorConfig,
     choice: Choice | None,
+    registry_generation: int = 0,
 ) -> Selection:
     selection = select(capability, config, choice)
     where = "auto-selected" if selection.source == "automatic" else f"from {selection.source}"
@@ -260,8 +262,14 @@ def current_device_capability() -> DeviceCapability | None:
 
 def selection_for(vllm_config: VllmConfig) -> Selection:
     """The cached :class:`Selection` for this configuration on this device."""
+    from mla_prefill_ext import discovery
+
+    discovery.discover()  # installed packages are registrations too: before the cache key is read
     return _select_cached(
-        current_device_capability(), selector_config_for(vllm_config), requested_choice(vllm_config)
+        current_device_capability(),
+        selector_config_for(vllm_config),
+        requested_choice(vllm_config),
+        registry.generation(),
     )
 
 
@@ -271,7 +279,7 @@ def get_mla_prefill_backend(vllm_config: VllmConfig) -> type[MLAPrefillBackend]:
 
 
 def clear_cache() -> None:
-    """Forget cached selections (after a registration, or in tests)."""
+    """Forget cached selections (tests; registrations invalidate them by themselves)."""
     _select_cached.cache_clear()
 
 

@@ -472,3 +472,18 @@ def test_selector_config_from_a_real_vllm_config(r1: Path, non_r1: Path) -> None
     assert selector.selector_config_for(config(non_r1)) == MLAPrefillSelectorConfig(torch.bfloat16, False)
     assert selector.is_deepseek_r1_mla_compatible(config(r1))
     assert not selector.is_deepseek_r1_mla_compatible(config(non_r1))
+
+
+def test_a_registration_invalidates_cached_selections(r1: Path) -> None:
+    """The cache is keyed on the registry's generation: no selection outlives a registration."""
+    from mla_prefill_ext import register_mla_prefill_backend
+
+    cfg = config(r1)
+    with device((9, 0)):
+        assert selector.get_mla_prefill_backend(cfg) is FlashAttnPrefillBackend
+        register_mla_prefill_backend(
+            MLAPrefillBackendEnum.FLASH_ATTN, "mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
+        )
+        assert selector.get_mla_prefill_backend(cfg).get_name() == "TORCH_SDPA"
+        MLAPrefillBackendEnum.FLASH_ATTN.clear_override()
+        assert selector.get_mla_prefill_backend(cfg) is FlashAttnPrefillBackend
