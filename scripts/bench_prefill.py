@@ -357,28 +357,6 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def step_batch(new_lens: list[int]) -> Any:
-    """vLLM's per-step metadata for prefills of ``new_lens`` tokens (no cached context)."""
-    import torch
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
-    total = int(loc[-1])
-    return CommonAttentionMetadata(
-        query_start_loc=loc,
-        query_start_loc_cpu=loc.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(new_lens),
-        num_actual_tokens=total,
-        max_query_len=max(new_lens),
-        max_seq_len=max(new_lens),
-        block_table_tensor=torch.zeros(len(new_lens), 64, dtype=torch.int32),
-        slot_mapping=torch.arange(total, dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-    )
-
-
 def _failure(e: BaseException) -> str:
     """The exception's first line, and where it was raised: the innermost frame of a library."""
     import traceback
@@ -552,7 +530,7 @@ def step_one_backend(name: str, layer_counts: list[int], args: argparse.Namespac
     except Exception as e:  # the backend cannot even be built here
         res["not_measurable"] = f"building its layers failed: {_failure(e)}"
         return res
-    common = step_batch(STEP_PREFILLS)
+    common = host.prefill_batch(STEP_PREFILLS, table_width=64)
     samples = {
         n: {k: [] for k in ("addon", "build", "stock", "dispatch", "plain", "per_layer")} for n in builders
     }

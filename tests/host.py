@@ -172,5 +172,52 @@ def mla_layer(attention_module: Any) -> Any:
     return attention_module.mla_attn.mla_attn
 
 
+def prefill_batch(
+    new_lens: list[int],
+    context_lens: list[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 16,
+    table_width: int = 8,
+) -> Any:
+    """vLLM's per-step metadata for prefills of ``new_lens`` tokens after ``context_lens`` cached ones.
+
+    Without a block table: one dummy table and consecutive slots (no KV cache is read).
+    """
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    context_lens = context_lens or [0] * len(new_lens)
+    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n + c for n, c in zip(new_lens, context_lens, strict=True)], dtype=torch.int32)
+    total = int(loc[-1])
+    if block_table is None:
+        block_table = torch.zeros(len(new_lens), table_width, dtype=torch.int32)
+        slot_mapping = torch.arange(total, dtype=torch.int64)
+    else:
+        slot_mapping = torch.cat(
+            [
+                slots(block_table[r], range(c, c + n), block_size)
+                for r, (n, c) in enumerate(zip(new_lens, context_lens, strict=True))
+            ]
+        )
+    return CommonAttentionMetadata(
+        query_start_loc=loc,
+        query_start_loc_cpu=loc.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(new_lens),
+        num_actual_tokens=total,
+        max_query_len=max(new_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+
+
+def slots(table_row: torch.Tensor, positions: range, block_size: int) -> torch.Tensor:
+    """KV-cache slots of a request's token positions through its block-table row."""
+    pos = torch.tensor(list(positions), dtype=torch.int64)
+    return table_row.long()[pos // block_size] * block_size + pos % block_size
+
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 __all__ = ["torch"]

@@ -35,26 +35,6 @@ def make_builder(cfg: Any, layers: list[Any], capability: tuple[int, int] | None
         )
 
 
-def prefill_step(new_lens: list[int]) -> Any:
-    """vLLM's per-step common metadata for prefills without cached context."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
-    return CommonAttentionMetadata(
-        query_start_loc=loc,
-        query_start_loc_cpu=loc.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(new_lens),
-        num_actual_tokens=int(loc[-1]),
-        max_query_len=max(new_lens),
-        max_seq_len=max(new_lens),
-        block_table_tensor=torch.zeros(len(new_lens), 8, dtype=torch.int32),
-        slot_mapping=torch.arange(int(loc[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-    )
-
-
 # --- One parser of the user's choice -------------------------------------------------------------
 
 
@@ -331,8 +311,8 @@ def test_micro_batch_builders_keep_their_own_step(shim, clean_selection, model_d
     assert r0 is not r1 and r0 is not layers[0].prefill_backend
 
     with host.gpu_view(None), set_current_vllm_config(cfg):
-        m0 = ubatch[0].build(0, prefill_step([5, 3]))
-        m1 = ubatch[1].build(0, prefill_step([7]))
+        m0 = ubatch[0].build(0, host.prefill_batch([5, 3]))
+        m1 = ubatch[1].build(0, host.prefill_batch([7]))
     # Both micro-batches were built before either ran (as DBO does): neither overwrote the other.
     assert r0._prefill_metadata is m0.prefill and r1._prefill_metadata is m1.prefill
 
@@ -360,7 +340,7 @@ def test_prepared_once_per_step_whatever_the_number_of_layers(shim, clean_select
         host.gpu_view(None),
         set_current_vllm_config(cfg),
     ):
-        builder.build(0, prefill_step([5, 3]))
+        builder.build(0, host.prefill_batch([5, 3]))
     assert prepare.call_count == 1
     for layer in layers:  # the layers' own instances are templates: never prepared
         assert layer.prefill_backend._prefill_metadata is None
@@ -373,7 +353,7 @@ def test_step_metadata_carries_host_offsets(shim, clean_selection, model_dirs):
     layer = build_layer(cfg, None)
     builder = make_builder(cfg, [layer], None)
     with host.gpu_view(None), set_current_vllm_config(cfg):
-        m = builder.build(0, prefill_step([5, 11, 3]))
+        m = builder.build(0, host.prefill_batch([5, 11, 3]))
     host_loc = m.prefill.query_start_loc_cpu
     assert host_loc.device.type == "cpu" and host_loc.tolist() == [0, 5, 16, 19]
 

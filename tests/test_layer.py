@@ -105,52 +105,6 @@ def make_builder(cfg: Any, layer: Any, capability: tuple[int, int] | None) -> An
         return builder_cls(layer.get_kv_cache_spec(cfg), [layer.layer_name], cfg, torch.device("cpu"))
 
 
-def prefill_batch(
-    new_lens: list[int],
-    context_lens: list[int] | None = None,
-    block_table: torch.Tensor | None = None,
-    block_size: int = 16,
-) -> Any:
-    """vLLM's per-step metadata for prefills of ``new_lens`` tokens after ``context_lens`` cached ones.
-
-    Without a block table: one dummy table and consecutive slots (no KV cache is read).
-    """
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    context_lens = context_lens or [0] * len(new_lens)
-    loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([n + c for n, c in zip(new_lens, context_lens, strict=True)], dtype=torch.int32)
-    total = int(loc[-1])
-    if block_table is None:
-        block_table = torch.zeros(len(new_lens), 8, dtype=torch.int32)
-        slot_mapping = torch.arange(total, dtype=torch.int64)
-    else:
-        slot_mapping = torch.cat(
-            [
-                slots(block_table[r], range(c, c + n), block_size)
-                for r, (n, c) in enumerate(zip(new_lens, context_lens, strict=True))
-            ]
-        )
-    return CommonAttentionMetadata(
-        query_start_loc=loc,
-        query_start_loc_cpu=loc.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(new_lens),
-        num_actual_tokens=total,
-        max_query_len=max(new_lens),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table,
-        slot_mapping=slot_mapping,
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-    )
-
-
-def slots(table_row: torch.Tensor, positions: range, block_size: int) -> torch.Tensor:
-    """KV-cache slots of a request's token positions through its block-table row."""
-    pos = torch.tensor(list(positions), dtype=torch.int64)
-    return table_row.long()[pos // block_size] * block_size + pos % block_size
-
-
 @contextlib.contextmanager
 def recording(cls: type, name: str) -> Iterator[list[tuple[Any, tuple, dict]]]:
     """Records ``(instance, args, kwargs)`` of every call of method ``name`` on any instance of ``cls``.
@@ -184,7 +138,7 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
     new_lens = [5, 11, 3]
     with recording(type(backend), "prepare_metadata") as prepared:
         with host.gpu_view(None), set_current_vllm_config(cfg):
-            metadata = builder.build(0, prefill_batch(new_lens))
+            metadata = builder.build(0, host.prefill_batch(new_lens))
     assert metadata.num_prefills == 3 and metadata.prefill is not None
     assert prepared and all(args[0] is metadata.prefill for _, args, _ in prepared)  # by the builder
 
@@ -373,7 +327,9 @@ def two_steps_with_context(
     for step, (new_lens, ctx_lens) in enumerate(steps):
         reqs = range(len(new_lens))
         with cpu_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
-            metadata = builder.build(0, prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE))
+            metadata = builder.build(
+                0, host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE)
+            )
         chunked = metadata.prefill.chunked_context
         if step == 1:
             assert chunked is not None
@@ -387,7 +343,7 @@ def two_steps_with_context(
         # What forward_impl does before forward_mha (vLLM's concat_and_cache_mla): this
         # step's latent KV rows into the paged cache, at the slots of the step's tokens.
         rows = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
-        slots = prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE).slot_mapping
+        slots = host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE).slot_mapping
         cache.view(-1, lora + rope)[slots] = rows
         output = torch.full((q.shape[0], heads * dv), float("nan"), dtype=dtype)
         with (
