@@ -104,6 +104,10 @@ def snapshot() -> dict[str, Any]:
     }
 
 
+DEFAULT_SNAPSHOT = {BACKEND_ENV: AUTO, OVERRIDES_ENV: {}, DISABLE_ENV: False}
+"""What :func:`snapshot` gives when the user set nothing."""
+
+
 def _as_env_value(name: str, value: Any) -> str:
     if name == OVERRIDES_ENV:
         return json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)

@@ -133,19 +133,24 @@ def test_engine_config_carries_the_settings_to_every_process(clean_selection, mo
 
     activation.activate()
     assert engine_config.is_instrumented()
-    clean_selection.setenv(settings.BACKEND_ENV, "flashinfer")
-    user_additional = {"other": 1}
-    args = EngineArgs(
-        model=str(model_dirs["plain"]),
-        skip_tokenizer_init=True,
-        max_model_len=2048,
-        additional_config=user_additional,
-    )
     from vllm.platforms import current_platform
 
-    # The unspecified platform has no device type either: one more device fact to supply.
-    with host.gpu_view((9, 0)), mock.patch.object(type(current_platform), "device_type", "cpu"):
-        cfg = args.create_engine_config()
+    def create(additional: dict) -> Any:
+        args = EngineArgs(
+            model=str(model_dirs["plain"]),
+            skip_tokenizer_init=True,
+            max_model_len=2048,
+            additional_config=additional,
+        )
+        # The unspecified platform has no device type either: one more device fact to supply.
+        with host.gpu_view((9, 0)), mock.patch.object(type(current_platform), "device_type", "cpu"):
+            return args.create_engine_config()
+
+    # Nothing set: no stamp, so the configuration (and vLLM's compile-cache key) is stock's.
+    assert settings.STAMP_KEY not in create({}).additional_config
+    clean_selection.setenv(settings.BACKEND_ENV, "flashinfer")
+    user_additional = {"other": 1}
+    cfg = create(user_additional)
     assert user_additional == {"other": 1}  # the user's own dict is left as given
     stamp = cfg.additional_config[settings.STAMP_KEY]
     assert stamp[settings.BACKEND_ENV] == "FLASHINFER" and stamp[settings.DISABLE_ENV] is False

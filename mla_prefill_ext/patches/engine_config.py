@@ -2,8 +2,8 @@
 
 vLLM ships its ``VllmConfig`` to every engine process and worker, on every node.
 The process that creates it (``EngineArgs.create_engine_config``: the user's
-process, ``vllm serve``'s front end) records its add-on settings under
-``additional_config["mla_prefill_ext"]``, as vLLM itself records other keys there.
+process, ``vllm serve``'s front end) records its add-on settings, when any is set,
+under ``additional_config["mla_prefill_ext"]``, as vLLM itself records other keys there.
 A process that builds MLA layers compares its own settings with the stamp
 (``wrappers.refuse_if_settings_differ``) and refuses at start when they differ:
 the settings did not reach it, and running would silently ignore the user's choice.
@@ -29,9 +29,12 @@ def stamp_settings(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     from mla_prefill_ext import settings
 
     additional = getattr(config, "additional_config", None)
-    if isinstance(additional, dict):
+    snapshot = settings.snapshot()
+    # Nothing set: nothing that could fail to arrive, and no stamp, so the configuration (and
+    # vLLM's compile-cache key, which hashes additional_config) stays what stock vLLM makes.
+    if snapshot != settings.DEFAULT_SNAPSHOT and isinstance(additional, dict):
         # A new dict: the user's own additional_config object stays as given.
-        config.additional_config = {**additional, settings.STAMP_KEY: settings.snapshot()}
+        config.additional_config = {**additional, settings.STAMP_KEY: snapshot}
     return config
 
 
