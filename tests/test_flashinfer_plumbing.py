@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mla_prefill_ext.backends import flashinfer
-from mla_prefill_ext.backends.base import host_query_start_loc
+from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
 from mla_prefill_ext.problem import make_problem
 
 
@@ -50,7 +50,11 @@ def backend_factory(clean_selection: pytest.MonkeyPatch):
 def test_plans_from_host_offsets(backend_factory):
     backend, wrappers = backend_factory()
     p = make_problem([5, 7], [9, 0], num_chunks=2, num_heads=16)
+    # What the patched builder attaches: a host tensor of its own (on this CPU box the "device"
+    # tensor is on the host too, so only identity tells which one was planned from).
+    p.metadata.query_start_loc_cpu = p.metadata.query_start_loc.clone()
     host_loc = host_query_start_loc(p.metadata)
+    assert host_loc is not p.metadata.query_start_loc
     backend.prepare_metadata(p.metadata)
     main, *chunks = wrappers
     (plan,) = main.plans
@@ -58,9 +62,10 @@ def test_plans_from_host_offsets(backend_factory):
     assert plan["sm_scale"] == 0.1 and plan["head_dim_qk"] == 192 and plan["head_dim_vo"] == 128
     assert len(chunks) == 2
     cu = p.metadata.chunked_context.cu_seq_lens
+    host_chunks = context_chunks(p.metadata)
     for i, c in enumerate(chunks):
         (cp,) = c.plans
-        assert cp["kv_indptr"].device.type == "cpu" and cp["causal"] is False
+        assert cp["kv_indptr"] is host_chunks[i].cu_seq_lens_cpu and cp["causal"] is False
         assert cp["kv_indptr"].tolist() == cu[i].tolist()
     assert "fixed_split_size" not in plan and "disable_split_kv" not in plan
 
