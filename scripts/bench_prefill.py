@@ -16,8 +16,9 @@ Start-up: ``import vllm`` + vLLM's plugin loading with and without the add-on's 
 Step (runs on a CPU): the host cost per prefill step of the add-on's preparation for 1 and for 61 MLA
 layers, on real vLLM objects (tests/host.py): vLLM's DeepseekV2 MLA attention layers and MLA metadata
 builder; ``build()`` with and without the add-on, the add-on's own work inside it, and the layers'
-prefill hooks. FLASH_ATTN, FLASHINFER and TRTLLM_RAGGED get a GPU's device facts only: no kernel runs,
-and a backend whose preparation needs a GPU is reported as not measurable, with the reason.
+prefill hooks (also alone, per layer, as a step with context chunks calls them). FLASH_ATTN,
+FLASHINFER and TRTLLM_RAGGED get a GPU's device facts only: no kernel runs, and a backend whose
+preparation needs a GPU is reported as not measurable, with the reason.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ STEP_CAPABILITY: dict[str, tuple[int, int] | None] = {
 }
 STEP_PREFILLS = [512, 256, 128, 64]  # new tokens of the step's requests (prefill only, no context)
 STEP_TARGET_RATIO = 1.2  # the add-on's preparation for the most layers vs for the fewest
+# The hooks alone in a step with cached context: per layer, forward_mha calls the new-tokens hook
+# once, then the context-chunk hook once per chunk (4 chunks per step, as in the GPU verification).
+STEP_CONTEXT_CHUNKS = 4
 
 
 def kernel_grid(quick: bool, device: str, dims_choice: str = "all") -> list[dict[str, Any]]:
@@ -424,6 +428,10 @@ def _stub_kernel(q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
     return STUB_RESULT  # no kernel runs: only the host work around it is timed
 
 
+def _stub_chunk_kernel(chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
+    return STUB_RESULT
+
+
 def addon_block(
     builders: dict[int, Any], layers: list[Any], common: Any, args: argparse.Namespace, samples: dict
 ) -> None:
@@ -452,13 +460,19 @@ def addon_block(
             [layer.impl._run_prefill_new_tokens for layer in layers[:n]],
             [layer.prefill_backend for layer in layers[:n]],
             [_stub_kernel] * n,
+            [
+                (layer.impl._run_prefill_new_tokens, layer.impl._run_prefill_context_chunk)
+                for layer in layers[:n]
+            ],
+            [(_stub_kernel, _stub_chunk_kernel)] * n,
         )
         for n, b in builders.items()
     }
+    chunk_ids = range(STEP_CONTEXT_CHUNKS)
     order = list(per_count)
     for i in range(args.warmup + args.steps // args.step_rounds):
         for n in order if i % 2 else order[::-1]:
-            builder, wrapped, hooks, own, plain = per_count[n]
+            builder, wrapped, hooks, own, plain, hook_pairs, plain_pairs = per_count[n]
             inner.clear()
             # 1. The add-on's own work in build(): its wrapper around vLLM's build, minus that build.
             t0 = perf_counter_ns()
@@ -478,6 +492,22 @@ def addon_block(
             for backend in own:
                 backend.prepare_metadata(prefill)
             t5 = perf_counter_ns()
+            # 5. The hooks alone, as a step with context calls them, on a step freshly built (untimed) so
+            #    that each layer's first call finds its instance as in a real step: per layer the
+            #    new-tokens hook, then the context-chunk hook per chunk; then the stubs as often.
+            prefill = builder.build(0, common).prefill
+            t6 = perf_counter_ns()
+            for new_tokens, context_chunk in hook_pairs:
+                new_tokens(prefill, None, None, None, False)
+                for c in chunk_ids:
+                    context_chunk(prefill, c, None, None, None)
+            t7 = perf_counter_ns()
+            for new_tokens, context_chunk in plain_pairs:
+                new_tokens(None, None, None, False)
+                for c in chunk_ids:
+                    context_chunk(c, None, None, None)
+            t8 = perf_counter_ns()
+            ran.append(hook_pairs[-1][1](prefill, 0, None, None, None))
             if not all(r is STUB_RESULT for r in ran):
                 raise SystemExit("a layer's hook did not run the instance its builder prepared")
             if i >= args.warmup:
@@ -487,6 +517,9 @@ def addon_block(
                 s["dispatch"].append(t3 - t2)
                 s["plain"].append(t4 - t3)
                 s["per_layer"].append(t5 - t4)
+                # Per layer, each step's hooks minus its own stub calls (paired within the step).
+                s["hook_per_layer"].append((t3 - t2 - (t4 - t3)) / n)
+                s["hook_context_per_layer"].append((t7 - t6 - (t8 - t7)) / n)
 
 
 def stock_block(builders: dict[int, Any], common: Any, args: argparse.Namespace, samples: dict) -> None:
@@ -532,7 +565,20 @@ def step_one_backend(name: str, layer_counts: list[int], args: argparse.Namespac
         return res
     common = host.prefill_batch(STEP_PREFILLS, table_width=64)
     samples = {
-        n: {k: [] for k in ("addon", "build", "stock", "dispatch", "plain", "per_layer")} for n in builders
+        n: {
+            k: []
+            for k in (
+                "addon",
+                "build",
+                "stock",
+                "dispatch",
+                "plain",
+                "per_layer",
+                "hook_per_layer",
+                "hook_context_per_layer",
+            )
+        }
+        for n in builders
     }
     with host.gpu_view(cap), set_current_vllm_config(cfg):
         try:  # one step each, untimed: what cannot run on a CPU (FlashInfer's plan()) fails here
@@ -544,6 +590,7 @@ def step_one_backend(name: str, layer_counts: list[int], args: argparse.Namespac
         for b in builders.values():
             for runner in b._mla_prefill_runners.values():
                 runner.run_prefill_new_tokens = _stub_kernel  # on the builder's instances only
+                runner.run_prefill_context_chunk = _stub_chunk_kernel
         for _ in range(args.step_rounds):  # the two sides alternate in blocks (deactivate() unpatches)
             addon_block(builders, layers, common, args, samples)
             stock_block(builders, common, args, samples)
@@ -563,6 +610,8 @@ def step_one_backend(name: str, layer_counts: list[int], args: argparse.Namespac
                 "hook_dispatch_us": med["dispatch"],
                 "plain_calls_us": med["plain"],
                 "per_layer_prepare_us": med["per_layer"],
+                "hook_per_layer_us": med["hook_per_layer"],
+                "hook_context_per_layer_us": med["hook_context_per_layer"],
                 "spread_us": spread,
             }
         )
@@ -603,6 +652,14 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
         lo, hi = res["rows"][0]["layers"], res["rows"][-1]["layers"]
         verdict = "met" if res["meets_target"] else "NOT met"
         lines += [
+            "",
+            "prefill hooks alone, per layer and step (minus the stub calls), with "
+            + ", ".join(str(row["layers"]) for row in res["rows"])
+            + " layers: new tokens only "
+            + " / ".join(f"{row['hook_per_layer_us']:.3f}" for row in res["rows"])
+            + f" us; new tokens + {step['context_chunks']} context chunks "
+            + " / ".join(f"{row['hook_context_per_layer_us']:.3f}" for row in res["rows"])
+            + " us",
             "",
             f"add-on preparation, {hi} layers / {lo}: {res['ratio_prepare']:.2f}x (target <= "
             f"{step['target_ratio']}x: {verdict}); with the prefill hooks: "
@@ -655,6 +712,12 @@ def bench_step(args: argparse.Namespace) -> dict[str, Any]:
             "plain_calls_us": "the stub called once per layer without the hooks (the floor)",
             "per_layer_prepare_us": "prepare_metadata on every layer's own backend: the scheme "
             "before the change, for comparison",
+            "hook_per_layer_us": "the prefill hook alone: per step, (hook_dispatch - plain_calls) / layers, "
+            "median over steps",
+            "hook_context_per_layer_us": "the prefill hooks alone in a step with context chunks: per "
+            "layer the new-tokens hook once and the context-chunk hook once per chunk "
+            "(context_chunks), on a freshly built step, minus as many stub calls, divided by the "
+            "layers; median over steps",
         },
         "prefills": STEP_PREFILLS,
         "layers": layer_counts,
@@ -662,6 +725,7 @@ def bench_step(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.step_rounds,
         "warmup_steps_per_block": args.warmup,
         "target_ratio": STEP_TARGET_RATIO,
+        "context_chunks": STEP_CONTEXT_CHUNKS,
         "flashinfer_workspace_bytes": int(os.environ["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"]),
         "backends": [],
     }
