@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Engine prefill throughput: stock vLLM and the add-on's backends, side by side, interleaved.
+
+    python scripts/bench_engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
+        [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
+
+One driver process holds one engine per side on the same GPU, all alive at once, and
+takes turns: every repetition sends the same fresh prompts (random token ids, so the
+prefix cache never hits) to every side, in an order that rotates from repetition to
+repetition, so drift of the host or the GPU reaches every side alike. One untimed
+repetition first. Prompt tokens/s of ``LLM.generate`` with ``max_tokens=1``.
+
+Each engine core is spawned (``VLLM_WORKER_MULTIPROC_METHOD=spawn``) with its own
+environment: ``stock`` with ``MLA_PREFILL_EXT_DISABLE=1`` (none of the add-on's code
+runs there), the others with ``MLA_PREFILL_BACKEND=<side>``. The driver itself runs
+with the add-on disabled, so no engine configuration carries a stamp. After start-up
+each engine's workers report which prefill backend their MLA layers own (stock: none,
+and the patch not applied); the run stops if any side is not what it claims to be.
+
+Model: the tiny DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``, R1 dims,
+16 heads) with vLLM's dummy weights (timing does not depend on the values), default
+torch.compile + CUDA graphs, vLLM's default scheduling (async scheduling as vLLM
+decides; recorded per side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
+VOCAB = 32000
+DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
+SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    points = []
+    for item in text.split(","):
+        length, batch = item.lower().split("x")
+        points.append((int(length), int(batch)))
+    return points
+
+
+def side_env(side: str) -> dict[str, str]:
+    return {"MLA_PREFILL_EXT_DISABLE": "1"} if side == "stock" else {"MLA_PREFILL_BACKEND": side}
+
+
+def prefill_owners(worker: Any) -> dict[str, Any]:
+    """Runs in each worker (collective_rpc): what owns prefill in this engine."""
+    import sys as _sys
+
+    owners = set()
+    for module in worker.get_model().modules():
+        if hasattr(module, "prefill_backend") and type(module).__name__ == "MLAAttention":
+            backend = module.prefill_backend
+            owners.add(backend.get_name() if backend is not None else "vLLM's own")
+    patches = _sys.modules.get("mla_prefill_ext.patches.instrumentor")
+    return {
+        "owners": sorted(owners),
+        "patched": bool(patches and patches.is_instrumented()),
+        "pid": os.getpid(),
+    }
+
+
+def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    from vllm import LLM
+
+    saved = {k: os.environ.pop(k, None) for k in SIDE_ENV}
+    os.environ.update(side_env(side))
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(MODEL_DIR),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_mem,
+            seed=0,
+            moe_backend="triton",
+        )
+        ready_s = time.perf_counter() - t0
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+    reports = llm.collective_rpc(prefill_owners)
+    config = llm.llm_engine.vllm_config
+    info = {
+        "ready_s": ready_s,
+        "workers": reports,
+        "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
+    for report in reports:
+        if side == "stock":
+            ok = not report["patched"] and not report["owners"]
+        else:
+            ok = report["patched"] and report["owners"] == [side]
+        if not ok:
+            raise SystemExit(f"side {side}: its engine reports {report}: not the side it claims to be")
+    print(f"[{time.strftime('%H:%M:%S')}] {side} ready in {ready_s:.0f} s: {json.dumps(info)}", flush=True)
+    return llm, info
+
+
+def prompts(length: int, batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(length)] for _ in range(batch)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sides", default="stock,FLASH_ATTN,FLASHINFER", help="stock and/or backend names")
+    parser.add_argument("--grid", default=DEFAULT_GRID, help="prompt_len x batch points")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions (one more untimed first)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--gpu-mem", type=float, default=0.25, help="gpu_memory_utilization per engine")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    sides = args.sides.split(",")
+    grid = parse_grid(args.grid)
+
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # each engine core reads its own environment
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["MLA_PREFILL_EXT_DISABLE"] = "1"  # the driver: no stamp, no patch
+    for k in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES"):
+        os.environ.pop(k, None)
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engines, info = {}, {}
+    for side in sides:
+        engines[side], info[side] = start_engine(side, args)
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    seconds: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
+    for rep in range(args.reps + 1):
+        order = sides[rep % len(sides) :] + sides[: rep % len(sides)]
+        for length, batch in grid:
+            batch_prompts = [
+                TokensPrompt(prompt_token_ids=p)
+                for p in prompts(length, batch, seed=(rep * 1_000_003 + length) * 131 + batch)
+            ]
+            for side in order:
+                t = time.perf_counter()
+                engines[side].generate(batch_prompts, one, use_tqdm=False)
+                if rep:  # rep 0 warms every shape up
+                    seconds[side].setdefault(f"{length}x{batch}", []).append(time.perf_counter() - t)
+        print(f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order})", flush=True)
+
+    table = []
+    for length, batch in grid:
+        point = f"{length}x{batch}"
+        row: dict[str, Any] = {"point": point, "prompt_len": length, "batch": batch}
+        for side in sides:
+            tps = [length * batch / s for s in seconds[side][point]]
+            row[side] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps}
+        for a, b in (("FLASHINFER", "FLASH_ATTN"), ("FLASH_ATTN", "stock"), ("FLASHINFER", "stock")):
+            if a in sides and b in sides:
+                row[f"{a}/{b}"] = row[a]["median"] / row[b]["median"]
+                # Same repetition, same prompts, run back to back: the paired ratio.
+                pairs = [x / y for x, y in zip(seconds[b][point], seconds[a][point], strict=True)]
+                row[f"{a}/{b} paired"] = statistics.median(pairs)
+        table.append(row)
+    print("| point | " + " | ".join(f"{s} tok/s (min-max)" for s in sides) + " | ratios (median; paired) |")
+    print("| --- " * (len(sides) + 2) + "|")
+    for row in table:
+        cells = [
+            f"{row[s]['median'] / 1e3:.0f}k ({row[s]['min'] / 1e3:.0f}-{row[s]['max'] / 1e3:.0f}k)"
+            for s in sides
+        ]
+        ratios = [
+            f"{k} {row[k]:.3f}; {row[k + ' paired']:.3f}" for k in row if "/" in k and "paired" not in k
+        ]
+        print(f"| {row['point']} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
+    summary = {}
+    for key in ("FLASHINFER/FLASH_ATTN", "FLASH_ATTN/stock", "FLASHINFER/stock"):
+        values = [row[key] for row in table if key in row]
+        if values:
+            summary[key] = {
+                "median_of_points": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+            }
+            print(
+                f"{key}: median over points {summary[key]['median_of_points']:.3f} "
+                f"({summary[key]['min']:.3f}-{summary[key]['max']:.3f})",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "engines": info,
+                    "table": table,
+                    "summary": summary,
+                    "command": sys.argv,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

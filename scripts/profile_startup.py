@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Where the add-on's start-up time goes, and what it costs with and without compiled bytecode.
+
+    python scripts/profile_startup.py [--reps 7] [--tree LABEL=DIR ...] [--json out.json]
+
+Every measurement runs in a fresh process that has already imported vLLM (untimed) and
+times, from inside, ``import mla_prefill_ext; activate()`` and then the patch applied
+by the post-import hook when vLLM's MLA module is imported (the whole add-on cost in a
+process that builds an MLA model).
+
+1. Profile, in the environment as found: one run under ``python -X importtime`` lists
+   every module imported after vLLM (the add-on's own and its dependencies'), with
+   whether each has bytecode on disk, and a cProfile of activate() and the hook.
+   ``-X importtime`` logs only imports made by ``import`` statements: modules loaded
+   through ``importlib.import_module`` (the patch package's lazy names) are missing
+   from its list, so the cProfile is the complete account.
+2. Timing, interleaved repetitions, for each code tree (``--tree``; default: this
+   checkout) in two states of the add-on's package:
+   * ``compiled``: its bytecode written beforehand (``compileall``), as ``pip install``
+     leaves a package (pip compiles unless told ``--no-compile``); wrapt compiled too;
+   * ``source``: a copy without bytecode, with ``PYTHONDONTWRITEBYTECODE=1``, so Python
+     compiles its modules from source in every process (an install made with
+     ``--no-compile`` into a read-only or no-bytecode environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+MARK = "--- after vllm ---"
+
+TIMED = f"""
+import sys, time, vllm
+t = time.perf_counter()
+import mla_prefill_ext
+from mla_prefill_ext import activation as a
+inner = a._on_mla_module_imported
+spent = []
+def timed(m):
+    s = time.perf_counter(); inner(m); spent.append(time.perf_counter() - s)
+a._on_mla_module_imported = timed
+mla_prefill_ext.activate()
+act = time.perf_counter() - t
+print({MARK!r}, file=sys.stderr, flush=True)
+import importlib; importlib.import_module({MLA_MODULE!r})
+assert len(spent) == 1, "the patch hook did not run"
+import json; print(json.dumps({{"activate_ms": act * 1e3, "patch_ms": spent[0] * 1e3,
+    "file": mla_prefill_ext.__file__}}))
+"""
+
+HOOK_PROFILE = f"""
+import cProfile, io, pstats, vllm
+import mla_prefill_ext
+from mla_prefill_ext import activation as a
+inner = a._on_mla_module_imported
+prof = cProfile.Profile()
+def profiled(m):
+    prof.enable(); inner(m); prof.disable()
+a._on_mla_module_imported = profiled
+prof.enable(); mla_prefill_ext.activate(); prof.disable()
+import importlib; importlib.import_module({MLA_MODULE!r})
+out = io.StringIO()
+pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+print(out.getvalue())
+"""
+
+
+def run_python(code: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    # Run outside any checkout: ``-c`` puts the working folder first on sys.path.
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code],
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", **env},
+        check=True,
+    )
+
+
+def has_bytecode(module_file: str | None) -> bool | None:
+    if not module_file or not module_file.endswith(".py"):
+        return None
+    return Path(importlib.util.cache_from_source(module_file)).exists()
+
+
+def import_profile(tree: Path) -> dict:
+    """``-X importtime`` of the add-on's part, in the environment as found."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    err = run_python(TIMED, env, "-X", "importtime").stderr.splitlines()
+    after = err[err.index(MARK) + 1 :] if MARK in err else err
+    before = err[: err.index(MARK)] if MARK in err else []
+    # Post-order: a module's line follows its children's. What activate() imported sits
+    # after "vllm"'s own line and before the marker; the patch's imports follow the marker
+    # mixed with vLLM's MLA module's, so only the add-on's and wrapt's are kept there.
+    top = max((i for i, line in enumerate(before) if line.rstrip().endswith("| vllm")), default=-1)
+    rows = []
+    for phase, lines in (("activate", before[top + 1 :]), ("patch", after)):
+        for line in lines:
+            if not line.startswith("import time:"):
+                continue
+            self_us, cumulative_us, name = (part.strip() for part in line[len("import time:") :].split("|"))
+            if phase == "patch" and not name.startswith(("mla_prefill_ext", "wrapt")):
+                continue
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            rows.append(
+                {
+                    "phase": phase,
+                    "module": name,
+                    "self_us": int(self_us),
+                    "cumulative_us": int(cumulative_us),
+                    "bytecode_on_disk": has_bytecode(getattr(spec, "origin", None)),
+                }
+            )
+    return {"modules": rows, "hook_profile": run_python(HOOK_PROFILE, env).stdout}
+
+
+def source_copy(tree: Path, scratch: Path, label: str) -> Path:
+    dest = scratch / f"{label}-source"
+    shutil.copytree(
+        tree / "mla_prefill_ext", dest / "mla_prefill_ext", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per variant")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        help="LABEL=DIR: a folder holding an mla_prefill_ext package (repeatable; this checkout always)",
+    )
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    trees = {"this": ROOT} | dict((t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.tree)
+
+    import wrapt
+
+    environment = {
+        "python": sys.version.split()[0],
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+        "wrapt": wrapt.__version__,
+        "wrapt_bytecode_before": has_bytecode(wrapt.__file__),
+        "addon_bytecode_before": has_bytecode(str(ROOT / "mla_prefill_ext" / "__init__.py")),
+    }
+    print("environment", json.dumps(environment), flush=True)
+    profile = import_profile(ROOT)
+    for row in profile["modules"]:
+        print(
+            f"{row['phase']:9} {row['cumulative_us']:7d} us cumulative {row['self_us']:7d} us self "
+            f"bytecode={row['bytecode_on_disk']} {row['module']}"
+        )
+    print(profile["hook_profile"], flush=True)
+
+    # As pip leaves an installed package: bytecode for the add-on and wrapt.
+    for tree in trees.values():
+        compileall.compile_dir(str(tree / "mla_prefill_ext"), quiet=1)
+    compileall.compile_dir(str(Path(wrapt.__file__).parent), quiet=1)
+    samples: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        variants = {}
+        for label, tree in trees.items():
+            variants[f"{label} compiled"] = {"PYTHONPATH": str(tree)}
+            variants[f"{label} source"] = {
+                "PYTHONPATH": str(source_copy(tree, Path(scratch), label)),
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
+        for name in variants:
+            extra = os.environ.get("PYTHONPATH")
+            variants[name]["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [variants[name]["PYTHONPATH"], extra])
+            )
+        for rep in range(args.reps):
+            for name, env in variants.items():
+                out = json.loads(run_python(TIMED, env).stdout.strip().splitlines()[-1])
+                samples.setdefault(name, []).append(out)
+            print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    results = {}
+    for name, runs in samples.items():
+        expected = Path(variants[name]["PYTHONPATH"].split(os.pathsep)[0]) / "mla_prefill_ext"
+        if Path(runs[0]["file"]).parent != expected:
+            raise SystemExit(f"{name}: imported {runs[0]['file']}, not the package in {expected}")
+        whole = [r["activate_ms"] + r["patch_ms"] for r in runs]
+        results[name] = {
+            part: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+            for part, v in (
+                ("activate", [r["activate_ms"] for r in runs]),
+                ("patch", [r["patch_ms"] for r in runs]),
+                ("whole", whole),
+            )
+        }
+        results[name]["package_file"] = runs[0]["file"]
+        w = results[name]["whole"]
+        print(f"{name:24} whole {w['median_ms']:.1f} ms ({w['min_ms']:.1f}-{w['max_ms']:.1f})", flush=True)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"environment": environment, "profile": profile, "timing": results}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
