@@ -52,3 +52,33 @@ def test_step_path_does_not_synchronise(name, with_context):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
+
+
+def test_planning_from_device_offsets_is_caught():
+    """The check above can fail: FLASHINFER made to plan from the device offsets trips it."""
+    cls = MLAPrefillBackendEnum["FLASHINFER"].get_class()
+    reasons = cls.validate_configuration(
+        current_device_capability(), MLAPrefillSelectorConfig.from_dims(torch.bfloat16, 128, 64, 128)
+    )
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+    class PlansFromDeviceOffsets(cls):
+        def prepare_metadata(self, prefill_metadata):
+            # Drop the host copies the builder attached: planning reads query_start_loc back.
+            prefill_metadata.query_start_loc_cpu = None
+            prefill_metadata.mla_prefill_context_chunks = None
+            super().prepare_metadata(prefill_metadata)
+
+    backend = PlansFromDeviceOffsets(16, 0.1147, 512, 128, 64, 128, None)
+    backend.reserve_workspace(torch.device("cuda"))
+    p = make_problem([300, 17, 1024], [700, 0, 2048], num_chunks=2, device="cuda", seed=0)
+    host_query_start_loc(p.metadata)
+    context_chunks(p.metadata)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            backend.prepare_metadata(p.metadata)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
