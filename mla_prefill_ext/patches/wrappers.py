@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
+from collections.abc import Hashable
 from types import ModuleType
 from typing import Any
 
@@ -115,6 +118,37 @@ def make_impl_init_wrapper(mla_module: ModuleType) -> Any:
     return impl_init
 
 
+_NO_STEP = object()  # no step seen yet: never the identity of a step's prefill metadata
+
+
+class _StepCell:
+    """The last step seen by the layers whose backends share one ``step_key``.
+
+    ``last`` is ``(prefill metadata, the instance its builder prepared for that key)``,
+    one tuple replaced whole: the two micro-batch threads of dual-batch overlap may
+    call hooks at once and must never see one step's metadata with another's instance.
+    """
+
+    __slots__ = ("__weakref__", "last")
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, Any] = (_NO_STEP, None)
+
+
+# One cell per step_key, shared by the layers with that key (all 61 of DeepSeek-V3), so that
+# only the first layer of a step looks its instance up; it lives as long as a layer uses it.
+_STEP_CELLS: weakref.WeakValueDictionary[Hashable, _StepCell] = weakref.WeakValueDictionary()
+_STEP_CELLS_LOCK = threading.Lock()
+
+
+def _step_cell(key: Hashable) -> _StepCell:
+    with _STEP_CELLS_LOCK:
+        cell = _STEP_CELLS.get(key)
+        if cell is None:
+            cell = _STEP_CELLS[key] = _StepCell()
+        return cell
+
+
 def bind_impl_to_backend(impl: Any) -> None:
     """Route the impl's two prefill hooks to the backend its layer owns.
 
@@ -124,10 +158,19 @@ def bind_impl_to_backend(impl: Any) -> None:
     whose step was prepared elsewhere (metadata built outside the patched builder)
     prepares its own instance. Backends return unpadded outputs, so 0.20's
     ``_pad_v`` slicing in ``forward_mha`` is switched off.
+
+    Every layer calls these hooks once per step for the new tokens and once per
+    context chunk, with the step's one metadata object. The lookup of a step's
+    instance is kept with that object in a cell shared by the layers with the same
+    ``step_key``: after the first call of a step, a call is one identity check.
     """
-    key: list[Any] = []
+    # The backend, hence its key, is only set after this bind (by layer_init, once vLLM's
+    # __init__ returned): the key is read at the first call from a builder's step, as before.
+    key: list[Hashable] = []
+    cell = _StepCell()  # this layer's own until its key is known: never hit
 
     def runner(prefill: Any) -> Any:
+        nonlocal cell
         backend = getattr(impl, "prefill_backend", None)
         if backend is None:
             raise RuntimeError(
@@ -138,18 +181,27 @@ def bind_impl_to_backend(impl: Any) -> None:
         if runners is not None:
             if not key:
                 key.append(backend.step_key)
+                cell = _step_cell(key[0])
             prepared = runners.get(key[0])
             if prepared is not None:
+                cell.last = (prefill, prepared)
                 return prepared
+        # Never kept: the layer's own instance is prepared again whenever another step used it.
         if backend._prefill_metadata is not prefill:
             backend.prepare_metadata(prefill)
         return backend
 
     def run_prefill_new_tokens(prefill: Any, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
-        return runner(prefill).run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        seen, prepared = cell.last
+        if seen is not prefill:
+            prepared = runner(prefill)
+        return prepared.run_prefill_new_tokens(q, k, v, return_softmax_lse)
 
     def run_prefill_context_chunk(prefill: Any, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
-        return runner(prefill).run_prefill_context_chunk(chunk_idx, q, k, v)
+        seen, prepared = cell.last
+        if seen is not prefill:
+            prepared = runner(prefill)
+        return prepared.run_prefill_context_chunk(chunk_idx, q, k, v)
 
     impl._run_prefill_new_tokens = run_prefill_new_tokens
     impl._run_prefill_context_chunk = run_prefill_context_chunk
