@@ -86,6 +86,38 @@ def test_flashinfer_hyperparameters_resolve_lazily(shim, clean_selection, model_
         second.prefill_backend.prepare_metadata(object())
 
 
+def test_flashinfer_reads_the_layers_through_the_reader_the_patch_hands_it(
+    shim, clean_selection, model_dirs, monkeypatch
+):
+    """The layers' hyperparameters come from the patch (backends never import it): handed to the
+    layer's backend when the layer builds it, passed on to the builder's instances by clone()."""
+    from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend, GlobalHyperparameters
+    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
+
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 16))
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    layers = [build(cfg, (9, 0), f"model.layers.{i}.self_attn") for i in range(2)]
+    assert all(
+        layer.prefill_backend.read_layer_hyperparameters is mla_layer_hyperparameters for layer in layers
+    )
+    builder = make_builder(cfg, layers[0], (9, 0))
+    (runner,) = builder._mla_prefill_runners.values()
+    assert runner is not layers[0].prefill_backend
+    assert runner.read_layer_hyperparameters is mla_layer_hyperparameters
+    assert runner._global_hyperparameters is None  # still lazy: resolved at its first plan
+    layers[1].scale = 0.5  # the builder's instance sees every layer of the model, not only its own
+    with pytest.raises(
+        ValueError, match=r"disagree.*model\.layers\.0\.self_attn.*model\.layers\.1\.self_attn"
+    ):
+        runner._resolve_global_hyperparameters()
+    # Built on its own (no reader handed): its own values, whatever the context holds.
+    with host.gpu_view((9, 0)):
+        alone = FlashInferPrefillBackend(4, 0.25, 512, 128, 64, 128, cfg)
+    assert alone.read_layer_hyperparameters is None
+    assert alone._resolve_global_hyperparameters() == GlobalHyperparameters(0.25, -1, 0.0)
+
+
 def test_builder_holds_no_prefill_state_of_its_own(shim, clean_selection, model_dirs):
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
     cfg = host.make_vllm_config(model_dirs["plain"])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
 
@@ -50,9 +51,12 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     its own) and plans once per step from the host copies of the step's offsets: no
     device-to-host read, so vLLM's asynchronous scheduling keeps the CPU ahead.
     The global hyperparameters (softmax scale, window, soft cap) are resolved on the
-    first ``prepare_metadata`` from the MLA layers registered in the static forward
-    context (not at construction, when the model's layers are not all built yet),
-    then cached. Layers that disagree are an error naming them.
+    first ``prepare_metadata`` (not at construction, when the model's layers are not
+    all built yet), then cached, from every MLA layer of the model as
+    :attr:`read_layer_hyperparameters` reads them: the patch hands that reader in when
+    a layer builds its backend (it is the code that knows vLLM's layers), and
+    :meth:`clone` passes it on. Without one (the backend on its own) it plans with its
+    own values. Layers that disagree are an error naming them.
     """
 
     requires_r1_mla_dimensions: ClassVar[bool] = True
@@ -103,9 +107,19 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
 
         self._batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         self._global_hyperparameters: GlobalHyperparameters | None = None
+        # {layer name: (sm_scale, window_left, logits_soft_cap)} of the model's MLA layers, for a
+        # vLLM config; called once, at the first plan.
+        self.read_layer_hyperparameters: (
+            Callable[[VllmConfig | None], Mapping[str, tuple[float, int, float]]] | None
+        ) = None
         self._workspace: torch.Tensor | None = None
         self._main: Any = None
         self._chunks: list[Any] = []
+
+    def clone(self) -> FlashInferPrefillBackend:
+        twin = cast(FlashInferPrefillBackend, super().clone())
+        twin.read_layer_hyperparameters = self.read_layer_hyperparameters  # the builders' instances too
+        return twin
 
     def _wrapper(self) -> Any:
         from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
@@ -124,9 +138,8 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     def _resolve_global_hyperparameters(self) -> GlobalHyperparameters:
         if self._global_hyperparameters is not None:
             return self._global_hyperparameters
-        from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
-
-        per_layer = mla_layer_hyperparameters(self.vllm_config)
+        read = self.read_layer_hyperparameters
+        per_layer = read(self.vllm_config) if read is not None else {}
         if not per_layer:
             # Used on its own (no model built): this backend's own values.
             resolved = GlobalHyperparameters(self.scale, -1, 0.0)

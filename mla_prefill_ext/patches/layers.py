@@ -17,6 +17,8 @@ def mla_layer_hyperparameters(
 
     The scale is the layer's own ``scale`` (the only scale); window and soft cap
     come from the layer's attention implementation, as vLLM 0.20 reads them.
+    FLASHINFER is handed this reader when a layer builds it (``wrappers.layer_init``):
+    backends never import the patch.
     """
     if vllm_config is None:
         return {}

@@ -232,7 +232,7 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
             )
         return
     backend_cls = get_mla_prefill_backend(vllm_config)
-    layer.prefill_backend = backend_cls(
+    backend = backend_cls(
         num_heads=layer.num_heads,
         scale=layer.scale,  # the layer's scale is the only scale (YaRN mscale included)
         kv_lora_rank=layer.kv_lora_rank,
@@ -241,9 +241,24 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         v_head_dim=layer.v_head_dim,
         vllm_config=vllm_config,
     )
+    hand_layer_hyperparameters(backend)
+    layer.prefill_backend = backend
     if impl is not None and hasattr(impl, "_run_prefill_new_tokens"):
         impl.prefill_backend = layer.prefill_backend
     logger.debug("MLA layer %s owns %r", getattr(layer, "layer_name", "?"), layer.prefill_backend)
+
+
+def hand_layer_hyperparameters(backend: Any) -> None:
+    """FLASHINFER plans one (sm_scale, window_left, logits_soft_cap) for every MLA layer.
+
+    It gets the reader of vLLM's layers from here (backends never import the patch);
+    the reader runs at its first plan, when the model's layers are all built.
+    """
+    from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
+    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
+
+    if isinstance(backend, FlashInferPrefillBackend):
+        backend.read_layer_hyperparameters = mla_layer_hyperparameters
 
 
 def refuse_if_settings_differ(vllm_config: Any) -> None:
