@@ -209,9 +209,11 @@ def test_layers_with_different_parameters_keep_their_own_instances():
         bind_impl_to_backend(impl)
         impl.prefill_backend = Backend(key)
         impls.append(impl)
-    for _ in range(3):  # steps
+    # Two builders, each with its runners for good (as vLLM's), their steps taking turns.
+    builders = [{key: Backend(key) for key in keys} for _ in range(2)]
+    for step in range(6):
         prefill = Prefill()
-        prefill.mla_prefill_runners = {key: Backend(key) for key in keys}
+        prefill.mla_prefill_runners = builders[step % 3 % 2]
         for impl in impls * 2:
             want = prefill.mla_prefill_runners[impl.prefill_backend.step_key]
             assert impl._run_prefill_new_tokens(prefill, None, None, None, False) is want

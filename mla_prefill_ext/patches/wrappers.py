@@ -124,15 +124,18 @@ _NO_STEP = object()  # no step seen yet: never the identity of a step's prefill 
 class _StepCell:
     """The last step seen by the layers whose backends share one ``step_key``.
 
-    ``last`` is ``(prefill metadata, the instance its builder prepared for that key)``,
-    one tuple replaced whole: the two micro-batch threads of dual-batch overlap may
-    call hooks at once and must never see one step's metadata with another's instance.
+    ``last`` is ``(prefill metadata, the instance its builder prepared for that key)``;
+    ``found`` is ``(a builder's runners, the instance for that key in them)``, so that
+    the next step of the same builder needs no hashing of the key. Each is one tuple
+    replaced whole: the two micro-batch threads of dual-batch overlap may call hooks at
+    once and must never see one step's metadata with another's instance.
     """
 
-    __slots__ = ("__weakref__", "last")
+    __slots__ = ("__weakref__", "found", "last")
 
     def __init__(self) -> None:
         self.last: tuple[Any, Any] = (_NO_STEP, None)
+        self.found: tuple[Any, Any] = (None, None)
 
 
 # One cell per step_key, shared by the layers with that key (all 61 of DeepSeek-V3), so that
@@ -182,7 +185,10 @@ def bind_impl_to_backend(impl: Any) -> None:
             if not key:
                 key.append(backend.step_key)
                 cell = _step_cell(key[0])
-            prepared = runners.get(key[0])
+            seen_runners, prepared = cell.found
+            if seen_runners is not runners:  # a builder's runners never change once attached
+                prepared = runners.get(key[0])
+                cell.found = (runners, prepared)
             if prepared is not None:
                 cell.last = (prefill, prepared)
                 return prepared
@@ -292,7 +298,9 @@ def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
 def _runners(builder: Any) -> dict[Any, Any] | None:
     """One prepared instance per distinct backend parameters among the builder's layers.
 
-    None while the layers are not built yet (resolved again on the next build).
+    None while the layers are not built yet (resolved again on the next build). Complete
+    when attached to the builder and never changed after: the prefill hooks keep what they
+    found in it.
     """
     runners = builder._mla_prefill_runners
     if runners is not None:
