@@ -125,10 +125,10 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
             ),
         }
     if name == "FLASHINFER":
-        shared = backend._shared  # the wrappers the backend planned: run them directly
+        # The wrappers the backend planned (its own instances): run them directly.
         return {
-            "new_tokens": lambda: shared.main.run(p.q, p.k, p.v, return_lse=False),
-            "context_chunk": lambda: shared.chunks[0].run(*chunk_q_k_v, return_lse=True),
+            "new_tokens": lambda: backend._main.run(p.q, p.k, p.v, return_lse=False),
+            "context_chunk": lambda: backend._chunks[0].run(*chunk_q_k_v, return_lse=True),
         }
     return {}
 
