@@ -3,6 +3,7 @@
 
     python scripts/bench_engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
         [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
+        [--tree LABEL=DIR --sides ...,FLASHINFER@LABEL --compare FLASHINFER/FLASHINFER@LABEL]
 
 One driver process holds one engine per side on the same GPU, all alive at once, and
 takes turns: every repetition sends the same fresh prompts (random token ids, so the
@@ -15,7 +16,12 @@ environment: ``stock`` with ``MLA_PREFILL_EXT_DISABLE=1`` (none of the add-on's 
 runs there), the others with ``MLA_PREFILL_BACKEND=<side>``. The driver itself runs
 with the add-on disabled, so no engine configuration carries a stamp. After start-up
 each engine's workers report which prefill backend their MLA layers own (stock: none,
-and the patch not applied); the run stops if any side is not what it claims to be.
+and the patch not applied) and where the add-on was imported from; the run stops if any
+side is not what it claims to be.
+
+A side ``NAME@LABEL`` runs the add-on from another code tree (``--tree LABEL=DIR``, a
+folder holding an ``mla_prefill_ext`` package, put first on that engine's PYTHONPATH):
+two versions of the add-on measured in one run, taking turns.
 
 Model: the tiny DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``, R1 dims,
 16 heads) with vLLM's dummy weights (timing does not depend on the values), default
@@ -64,18 +70,25 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
             backend = module.prefill_backend
             owners.add(backend.get_name() if backend is not None else "vLLM's own")
     patches = _sys.modules.get("mla_prefill_ext.patches.instrumentor")
+    package = _sys.modules.get("mla_prefill_ext")
     return {
         "owners": sorted(owners),
         "patched": bool(patches and patches.is_instrumented()),
         "pid": os.getpid(),
+        "package": getattr(package, "__file__", None),
     }
 
 
 def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from vllm import LLM
 
-    saved = {k: os.environ.pop(k, None) for k in SIDE_ENV}
-    os.environ.update(side_env(side))
+    backend, _, label = side.partition("@")
+    tree = args.trees[label] if label else None
+    saved = {k: os.environ.pop(k, None) for k in (*SIDE_ENV, "PYTHONPATH")}
+    os.environ.update(side_env(backend))
+    path = os.pathsep.join(filter(None, [str(tree) if tree else None, saved["PYTHONPATH"]]))
+    if path:
+        os.environ["PYTHONPATH"] = path
     try:
         t0 = time.perf_counter()
         llm = LLM(
@@ -106,7 +119,9 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
         if side == "stock":
             ok = not report["patched"] and not report["owners"]
         else:
-            ok = report["patched"] and report["owners"] == [side]
+            ok = report["patched"] and report["owners"] == [backend]
+            if tree is not None:
+                ok = ok and Path(report["package"]).parent == tree / "mla_prefill_ext"
         if not ok:
             raise SystemExit(f"side {side}: its engine reports {report}: not the side it claims to be")
     print(f"[{time.strftime('%H:%M:%S')}] {side} ready in {ready_s:.0f} s: {json.dumps(info)}", flush=True)
@@ -127,8 +142,18 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--gpu-mem", type=float, default=0.25, help="gpu_memory_utilization per engine")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--tree", action="append", default=[], help="LABEL=DIR: code tree for sides NAME@LABEL"
+    )
+    parser.add_argument(
+        "--compare",
+        default="FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock",
+        help="A/B ratios to report (of sides present)",
+    )
     args = parser.parse_args()
+    args.trees = {t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}
     sides = args.sides.split(",")
+    pairs = [tuple(p.split("/", 1)) for p in args.compare.split(",")]
     grid = parse_grid(args.grid)
 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # each engine core reads its own environment
@@ -168,7 +193,7 @@ def main() -> int:
         for side in sides:
             tps = [length * batch / s for s in seconds[side][point]]
             row[side] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps}
-        for a, b in (("FLASHINFER", "FLASH_ATTN"), ("FLASH_ATTN", "stock"), ("FLASHINFER", "stock")):
+        for a, b in pairs:
             if a in sides and b in sides:
                 row[f"{a}/{b}"] = row[a]["median"] / row[b]["median"]
                 # Same repetition, same prompts, run back to back: the paired ratio.
@@ -187,7 +212,7 @@ def main() -> int:
         ]
         print(f"| {row['point']} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
     summary = {}
-    for key in ("FLASHINFER/FLASH_ATTN", "FLASH_ATTN/stock", "FLASHINFER/stock"):
+    for key in (f"{a}/{b}" for a, b in pairs):
         values = [row[key] for row in table if key in row]
         if values:
             summary[key] = {

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The speed measurements of docs/benchmarks.md on a 2-GPU CUDA host, in one go:
-#   bash scripts/gpu_speed_suite.sh OUT_DIR
-# GPU 0: engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once,
-#        interleaved (scripts/bench_engine.py).
-# GPU 1: the no-sync check of every backend's step path (tests/gpu/test_no_sync.py, which also
-#        shows it failing for planning from device offsets; it JIT-builds FlashInfer's kernels
-#        before the engine needs them), then the kernel benchmark (backend vs bare kernel, R1 and
-#        non-R1 dims), then the start-up profile (scripts/profile_startup.py).
+# The speed measurements of docs/benchmarks.md on a CUDA host, one after the other on one GPU:
+#   bash scripts/gpu_speed_suite.sh [--kernel] [--prev DIR] OUT_DIR
+# 1. the no-sync check of every backend's step path (tests/gpu/test_no_sync.py; it also shows the
+#    check failing for planning from device offsets, and JIT-builds FlashInfer's kernels);
+# 2. the host time of one step's preparation per backend, GPU idle and busy (scripts/bench_plan.py);
+# 3. engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once, interleaved
+#    (scripts/bench_engine.py); with --prev DIR also FLASHINFER from the code tree in DIR (a folder
+#    holding an earlier mla_prefill_ext), to compare two versions in one run;
+# 4. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims);
+# 5. the start-up profile (scripts/profile_startup.py), last, on an otherwise idle host.
 # Everything lands in OUT_DIR (logs, JSON, junit XML).
 set -u
-out=${1:?usage: gpu_speed_suite.sh OUT_DIR}
+kernel=0 prev=""
+while [[ ${1:-} == --* ]]; do
+  case $1 in
+    --kernel) kernel=1; shift ;;
+    --prev) prev=$(cd "$2" && pwd); shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+out=${1:?usage: gpu_speed_suite.sh [--kernel] [--prev DIR] OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -22,26 +32,28 @@ stamp "environment"
   python -c "import sys, torch, vllm, flashinfer; print(sys.version); print('torch', torch.__version__); print('vllm', vllm.__version__); print('flashinfer', flashinfer.__version__)"
   nproc
   env | grep -E '^PYTHON' || true
-  git log -1 --format='commit %H' 2>/dev/null || true
 } > "$out/environment.txt" 2>&1
 
-(
-  CUDA_VISIBLE_DEVICES=0 python scripts/bench_engine.py --json "$out/bench-engine.json"
-) > "$out/bench-engine.log" 2>&1 &
-gpu0=$!
-(
-  stamp "no-sync check"
-  CUDA_VISIBLE_DEVICES=1 python -m pytest tests/gpu/test_no_sync.py -q -rs --junitxml="$out/no-sync.xml" \
-    > "$out/no-sync.log" 2>&1
+stamp "no-sync check"
+python -m pytest tests/gpu/test_no_sync.py -q -rs --junitxml="$out/no-sync.xml" > "$out/no-sync.log" 2>&1
+stamp "no-sync check: rc=$?"
+stamp "step preparation"
+python scripts/bench_plan.py --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
+stamp "step preparation: rc=$?"
+stamp "engine throughput"
+engine_args=()
+if [[ -n $prev ]]; then
+  engine_args=(--tree "prev=$prev" --sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER@prev --gpu-mem 0.2
+    --compare FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock,FLASHINFER/FLASHINFER@prev)
+fi
+python scripts/bench_engine.py --reps 20 "${engine_args[@]}" --json "$out/bench-engine.json" > "$out/bench-engine.log" 2>&1
+stamp "engine throughput: rc=$?"
+if [[ $kernel == 1 ]]; then
   stamp "kernel benchmark"
-  CUDA_VISIBLE_DEVICES=1 python scripts/bench_prefill.py kernel --rounds 3 --json "$out/bench-kernel.json" \
-    --plot "$out/bench-kernel.png" > "$out/bench-kernel.log" 2>&1
-  stamp "start-up profile"
-  python scripts/profile_startup.py --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
-  stamp "GPU 1 queue done"
-) > "$out/queue-gpu1.log" 2>&1 &
-gpu1=$!
-wait $gpu0
-stamp "engine benchmark done: rc=$?" >> "$out/queue-gpu0.log"
-wait $gpu1
-stamp "all done"
+  python scripts/bench_prefill.py kernel --rounds 3 --json "$out/bench-kernel.json" --plot "$out/bench-kernel.png" \
+    > "$out/bench-kernel.log" 2>&1
+  stamp "kernel benchmark: rc=$?"
+fi
+stamp "start-up profile"
+python scripts/profile_startup.py --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
+stamp "start-up profile: rc=$?"
