@@ -89,6 +89,8 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
     path = os.pathsep.join(filter(None, [str(tree) if tree else None, saved["PYTHONPATH"]]))
     if path:
         os.environ["PYTHONPATH"] = path
+    if tree is not None:  # a spawned child takes its sys.path from this process, not from PYTHONPATH
+        sys.path.insert(0, str(tree))
     try:
         t0 = time.perf_counter()
         llm = LLM(
@@ -103,6 +105,8 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
         )
         ready_s = time.perf_counter() - t0
     finally:
+        if tree is not None:
+            sys.path.remove(str(tree))
         for k, v in saved.items():
             os.environ.pop(k, None)
             if v is not None:
