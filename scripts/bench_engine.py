@@ -137,6 +137,61 @@ def prompts(length: int, batch: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(length)] for _ in range(batch)]
 
 
+def tabulate(
+    seconds: dict[str, dict[str, list[float]]],
+    grid: list[tuple[int, int]],
+    sides: list[str],
+    pairs: list[tuple[str, str]],
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """Tokens/s per side and point, and the A/B ratios: of the medians, and paired.
+
+    ``seconds[side][point]`` lists the timed repetitions in order; repetition i of every
+    side ran the same prompts, back to back, so ``b_i / a_i`` is a paired ratio.
+    """
+    table = []
+    for length, batch in grid:
+        point = f"{length}x{batch}"
+        row: dict[str, Any] = {"point": point, "prompt_len": length, "batch": batch}
+        for side in sides:
+            tps = [length * batch / s for s in seconds[side][point]]
+            row[side] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps}
+        for a, b in pairs:
+            if a in sides and b in sides:
+                row[f"{a}/{b}"] = row[a]["median"] / row[b]["median"]
+                paired = [tb / ta for ta, tb in zip(seconds[a][point], seconds[b][point], strict=True)]
+                row[f"{a}/{b} paired"] = statistics.median(paired)
+        table.append(row)
+    summary = {}
+    for a, b in pairs:
+        values = [row[f"{a}/{b}"] for row in table if f"{a}/{b}" in row]
+        if values:
+            summary[f"{a}/{b}"] = {
+                "median_of_points": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+            }
+    return table, summary
+
+
+def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
+    lines = [
+        "| point | "
+        + " | ".join(f"{s} tok/s (min-max)" for s in sides)
+        + " | A/B: ratio of medians; paired |",
+        "| --- " * (len(sides) + 2) + "|",
+    ]
+    for row in table:
+        cells = [
+            f"{row[s]['median'] / 1e3:.0f}k ({row[s]['min'] / 1e3:.0f}-{row[s]['max'] / 1e3:.0f}k)"
+            for s in sides
+        ]
+        ratios = [
+            f"{k} {row[k]:.3f}; {row[k + ' paired']:.3f}" for k in row if "/" in k and "paired" not in k
+        ]
+        lines.append(f"| {row['point']} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sides", default="stock,FLASH_ATTN,FLASHINFER", help="stock and/or backend names")
@@ -190,58 +245,23 @@ def main() -> int:
                     seconds[side].setdefault(f"{length}x{batch}", []).append(time.perf_counter() - t)
         print(f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order})", flush=True)
 
-    table = []
-    for length, batch in grid:
-        point = f"{length}x{batch}"
-        row: dict[str, Any] = {"point": point, "prompt_len": length, "batch": batch}
-        for side in sides:
-            tps = [length * batch / s for s in seconds[side][point]]
-            row[side] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps}
-        for a, b in pairs:
-            if a in sides and b in sides:
-                row[f"{a}/{b}"] = row[a]["median"] / row[b]["median"]
-                # Same repetition, same prompts, run back to back: the paired ratio.
-                pairs = [x / y for x, y in zip(seconds[b][point], seconds[a][point], strict=True)]
-                row[f"{a}/{b} paired"] = statistics.median(pairs)
-        table.append(row)
-    print("| point | " + " | ".join(f"{s} tok/s (min-max)" for s in sides) + " | ratios (median; paired) |")
-    print("| --- " * (len(sides) + 2) + "|")
-    for row in table:
-        cells = [
-            f"{row[s]['median'] / 1e3:.0f}k ({row[s]['min'] / 1e3:.0f}-{row[s]['max'] / 1e3:.0f}k)"
-            for s in sides
-        ]
-        ratios = [
-            f"{k} {row[k]:.3f}; {row[k + ' paired']:.3f}" for k in row if "/" in k and "paired" not in k
-        ]
-        print(f"| {row['point']} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
-    summary = {}
-    for key in (f"{a}/{b}" for a, b in pairs):
-        values = [row[key] for row in table if key in row]
-        if values:
-            summary[key] = {
-                "median_of_points": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-            }
-            print(
-                f"{key}: median over points {summary[key]['median_of_points']:.3f} "
-                f"({summary[key]['min']:.3f}-{summary[key]['max']:.3f})",
-                flush=True,
-            )
+    record = {
+        "args": {**vars(args), "trees": {k: str(v) for k, v in args.trees.items()}},
+        "engines": info,
+        "seconds": seconds,  # raw, written before any arithmetic on it
+        "command": sys.argv,
+    }
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "args": vars(args),
-                    "engines": info,
-                    "table": table,
-                    "summary": summary,
-                    "command": sys.argv,
-                },
-                indent=1,
-            )
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    table, summary = tabulate(seconds, grid, sides, pairs)
+    print("\n".join(markdown(table, sides)))
+    for key, s in summary.items():
+        print(
+            f"{key}: median over points {s['median_of_points']:.3f} ({s['min']:.3f}-{s['max']:.3f})",
+            flush=True,
         )
+    if args.json:
+        Path(args.json).write_text(json.dumps({**record, "table": table, "summary": summary}, indent=1))
     return 0
 
 

@@ -88,3 +88,33 @@ def test_step_bench_times_the_preparation_per_layer_count(tmp_path):
         assert isinstance(res["meets_target"], bool)
         assert f"{name} (" in proc.stdout
     assert "| layers | add-on preparation in build() | stock build() |" in proc.stdout
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_bench_tables_ab_ratios_from_the_raw_seconds():
+    bench = _load_script("bench_engine")
+    grid = bench.parse_grid("1024x2,4096x1")
+    sides = ["stock", "FLASHINFER", "FLASHINFER@prev"]
+    seconds = {
+        "stock": {"1024x2": [1.0, 2.0, 1.0], "4096x1": [1.0, 1.0, 1.0]},
+        "FLASHINFER": {"1024x2": [1.25, 2.5, 1.25], "4096x1": [2.0, 2.0, 2.0]},
+        "FLASHINFER@prev": {"1024x2": [1.0, 2.0, 1.0], "4096x1": [1.0, 1.0, 1.0]},
+    }
+    pairs = [("FLASHINFER", "stock"), ("FLASHINFER", "FLASHINFER@prev"), ("FLASH_ATTN", "stock")]
+    table, summary = bench.tabulate(seconds, grid, sides, pairs)
+    first = table[0]
+    assert first["stock"]["median"] == 2048 / 1.0 and first["stock"]["min"] == 2048 / 2.0
+    assert first["FLASHINFER/stock"] == 0.8 and first["FLASHINFER/stock paired"] == 0.8
+    assert table[1]["FLASHINFER/FLASHINFER@prev"] == 0.5
+    assert "FLASH_ATTN/stock" not in first  # a side that did not run has no ratio
+    assert summary["FLASHINFER/stock"] == {"median_of_points": 0.65, "min": 0.5, "max": 0.8}
+    lines = bench.markdown(table, sides)
+    assert lines[2].startswith("| 1024x2 | 2k (1-2k) |") and "FLASHINFER/stock 0.800; 0.800" in lines[2]
