@@ -456,6 +456,46 @@ _PLATFORMS = (
 )
 
 
+def _bytecode_findings(
+    packages: dict[str, str] | None = None, can_write: bool | None = None
+) -> list[Finding]:
+    """A note when the add-on's or wrapt's modules must be compiled from source in every process.
+
+    That happens where packages were installed without bytecode (``pip install --no-compile``)
+    and Python may not write it (``PYTHONDONTWRITEBYTECODE``, common in container images).
+    Measured on an H200 host: the add-on costs 11 ms of a vLLM process's start-up with
+    bytecode, 18 ms with its own modules compiled from source each time, and 39 ms with
+    wrapt's too (docs/benchmarks.md).
+    """
+    from importlib.util import cache_from_source
+    from pathlib import Path
+
+    if packages is None:
+        import wrapt
+
+        packages = {"mla_prefill_ext": os.path.dirname(__file__), "wrapt": os.path.dirname(wrapt.__file__)}
+    if can_write is None:
+        can_write = not sys.dont_write_bytecode
+    if can_write:
+        return []  # the first process that imports a module writes its bytecode
+    missing = [
+        name
+        for name, folder in packages.items()
+        if any(not Path(cache_from_source(str(f))).exists() for f in Path(folder).rglob("*.py"))
+    ]
+    if not missing:
+        return []
+    folders = " ".join(packages[name] for name in missing)
+    return [
+        Finding(
+            "note",
+            f"{' and '.join(missing)} have modules without bytecode and this Python may not write it "
+            "(PYTHONDONTWRITEBYTECODE): every vLLM process compiles them from source, which adds "
+            f"milliseconds to each start-up. Compile them once: {sys.executable} -m compileall -q {folders}",
+        )
+    ]
+
+
 def _platform_report() -> tuple[dict[str, Any], list[Finding]]:
     """vLLM's platform in this process, and whether the add-on takes over MLA prefill there."""
     from mla_prefill_ext.patches.scope import platform_reason
@@ -614,6 +654,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     findings += entry_point_findings
     backends, backend_findings = _backend_rows()
     findings += backend_findings
+    findings += _bytecode_findings()
 
     problems = [f for f in findings if f.level == "problem"]
     if problems:

@@ -662,3 +662,25 @@ def test_select_marks_a_backend_that_joined_by_its_claim(slow: dict[str, Any]) -
     assert "requested: AUTO (automatic)" in lines
     assert "selected: DEMO_CLAIM (it joined automatic selection by its claim)" in lines
     assert "  DEMO_CLAIM     valid" in lines
+
+
+def test_info_notes_modules_compiled_from_source_in_every_process(tmp_path: Path) -> None:
+    import compileall
+
+    from mla_prefill_ext.cli import _bytecode_findings
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    (pkg / "mod.py").write_text("Y = 2\n")
+    # Python may write bytecode: the first import does, nothing to say.
+    assert _bytecode_findings({"pkg": str(pkg)}, can_write=True) == []
+    # It may not, and there is none: every process compiles these modules.
+    (note,) = _bytecode_findings({"pkg": str(pkg)}, can_write=False)
+    assert note.level == "note" and "pkg have modules without bytecode" in note.message
+    assert f"-m compileall -q {pkg}" in note.message
+    # Compiled once (as pip does unless --no-compile): nothing to say.
+    assert compileall.compile_dir(str(pkg), quiet=1)
+    assert _bytecode_findings({"pkg": str(pkg)}, can_write=False) == []
+    (pkg / "late.py").write_text("Z = 3\n")  # one module left without bytecode is enough
+    assert len(_bytecode_findings({"pkg": str(pkg)}, can_write=False)) == 1

@@ -75,7 +75,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def test_info_reports_patch_and_backends():
     import json
 
-    proc = run_cli("info", "--json")
+    # Bytecode may be written here (an empty PYTHONDONTWRITEBYTECODE is unset): no note about it.
+    proc = run_cli("info", "--json", env={"PYTHONDONTWRITEBYTECODE": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = json.loads(proc.stdout)
     assert info["vllm_version"] == "0.20.2" and info["vllm_supported"] and info["patched"]
