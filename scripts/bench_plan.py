@@ -12,8 +12,8 @@ kernel arguments), timed on the host with ``time.perf_counter``, in two GPU stat
   vLLM's async scheduling, where step N+1 is prepared while step N runs. A preparation
   that waits for the GPU anywhere shows here as about ``--busy-ms`` instead of microseconds.
 
-and with the step's host offsets in two kinds of memory: ``pinned`` (what the add-on
-attaches since it pins them) and ``pageable`` (what it attached before). Two step shapes:
+and with the step's host offsets in two kinds of memory: ``pageable`` (what the add-on
+attaches) and ``pinned`` (page-locked, as vLLM keeps its own host buffers). Two step shapes:
 four prefills of 1024 new tokens, and the same with 4096 tokens of cached context each
 in 4 chunks. Medians and 90th percentiles over ``--steps`` steps, the variants taking
 turns step by step.
@@ -48,12 +48,13 @@ def with_host_copies(problem, memory: str):
         md.__dict__.pop(attr, None)
     host_query_start_loc(md)
     chunks = context_chunks(md)
-    if memory == "pageable":
-        md.query_start_loc_cpu = md.query_start_loc_cpu.clone()  # clone() of pinned memory is pageable
+    if memory == "pinned":
+        md.query_start_loc_cpu = md.query_start_loc_cpu.pin_memory()
         md.mla_prefill_context_chunks = [
-            c._replace(cu_seq_lens_cpu=c.cu_seq_lens_cpu.clone(), seq_lens=c.seq_lens.clone()) for c in chunks
+            c._replace(cu_seq_lens_cpu=c.cu_seq_lens_cpu.pin_memory(), seq_lens=c.seq_lens.pin_memory())
+            for c in chunks
         ]
-        assert not md.query_start_loc_cpu.is_pinned()
+    assert md.query_start_loc_cpu.is_pinned() == (memory == "pinned")
     return md
 
 

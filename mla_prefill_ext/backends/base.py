@@ -34,19 +34,6 @@ class ContextChunk(NamedTuple):
     seq_lens: torch.Tensor
 
 
-def pinned_for(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """``host`` in page-locked memory when a kernel library will copy it to this CUDA device.
-
-    FlashInfer's ``plan()`` and the TRT-LLM path copy a step's host offsets to the device
-    with ``non_blocking=True``. From pinned memory that is a DMA queued on the stream (PyTorch's
-    host allocator keeps the block until the copy is done); from pageable memory the driver
-    stages it in the calling thread first. vLLM keeps its own host offsets pinned likewise.
-    """
-    if device.type == "cuda":
-        return host.pin_memory()
-    return host
-
-
 def host_query_start_loc(prefill_metadata: Any) -> torch.Tensor:
     """The host copy of ``query_start_loc`` (int32, CPU).
 
@@ -55,8 +42,7 @@ def host_query_start_loc(prefill_metadata: Any) -> torch.Tensor:
     """
     host = getattr(prefill_metadata, "query_start_loc_cpu", None)
     if host is None:
-        device_offsets = prefill_metadata.query_start_loc
-        host = pinned_for(device_offsets.device, device_offsets.to("cpu"))
+        host = prefill_metadata.query_start_loc.to("cpu")
         prefill_metadata.query_start_loc_cpu = host
     return host
 
@@ -70,11 +56,9 @@ def context_chunks(prefill_metadata: Any) -> list[ContextChunk]:
     chunks = []
     if ctx is not None:
         # seq_lens is [chunks, requests] on the host (vLLM computes it there).
-        device = prefill_metadata.query_start_loc.device
-        lens = pinned_for(device, torch.as_tensor(ctx.seq_lens).to("cpu", torch.int32))
+        lens = torch.as_tensor(ctx.seq_lens).to("cpu", torch.int32)
         cu_cpu = torch.zeros(lens.shape[0], lens.shape[1] + 1, dtype=torch.int32)
         torch.cumsum(lens, dim=1, out=cu_cpu[:, 1:])
-        cu_cpu = pinned_for(device, cu_cpu)
         for i in range(lens.shape[0]):
             chunks.append(
                 ContextChunk(

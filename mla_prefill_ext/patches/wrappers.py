@@ -329,8 +329,6 @@ def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     runners = _runners(instance)
     if not runners:
         return metadata
-    from mla_prefill_ext.backends.base import pinned_for
-
     common = _arg(args, kwargs, "common_attn_metadata", 1)
     host = getattr(common, "query_start_loc_cpu", None)
     if host is not None:
@@ -338,7 +336,9 @@ def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         # tensor, not a view: vLLM refills its host buffers for the next step while a kernel
         # library may still be copying this step's offsets from them (non-blocking copies).
         start = metadata.num_decodes
-        prefill.query_start_loc_cpu = pinned_for(prefill.query_start_loc.device, host[start:] - host[start])
+        # Pageable, not pinned: pinning them made no measurable difference to FlashInfer's planning
+        # on the H200 (docs/benchmarks.md 6b) and would cost an allocation per step.
+        prefill.query_start_loc_cpu = host[start:] - host[start]
     prefill.mla_prefill_runners = runners
     for runner in runners.values():
         runner.prepare_metadata(prefill)
