@@ -141,8 +141,14 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cli_env(harness: Path | None = None, **extra: str) -> dict[str, str]:
-    """This environment without the add-on's settings (and any from other tests), plus ``extra``."""
+    """This environment without the add-on's settings (and any from other tests), plus ``extra``.
+
+    Python may write bytecode there (an empty PYTHONDONTWRITEBYTECODE counts as unset): whether
+    ``info`` notes modules compiled from source in every process depends on the machine, not on
+    what these runs test; that note has its own test.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLA_PREFILL", "MLA_TEST_"))}
+    env["PYTHONDONTWRITEBYTECODE"] = ""
     if harness is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(harness), *filter(None, [env.get("PYTHONPATH")])])
     return {**env, **extra}
