@@ -20,17 +20,27 @@ from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_ca
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name", ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"])
-@pytest.mark.parametrize("with_context", [False, True], ids=["new-tokens", "with-context"])
-def test_step_path_does_not_synchronise(name, with_context):
+def backend_class_or_skip(name: str) -> type:
+    """The backend's class, or skip where it cannot serve R1 dims in bf16 on this device."""
     cls = MLAPrefillBackendEnum[name].get_class()
     reasons = cls.validate_configuration(
         current_device_capability(), MLAPrefillSelectorConfig.from_dims(torch.bfloat16, 128, 64, 128)
     )
     if reasons:
         pytest.skip("; ".join(reasons))
+    return cls
+
+
+def ready(cls: type):
     backend = cls(16, 0.1147, 512, 128, 64, 128, None)
     backend.reserve_workspace(torch.device("cuda"))  # done when vLLM creates the builder
+    return backend
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"])
+@pytest.mark.parametrize("with_context", [False, True], ids=["new-tokens", "with-context"])
+def test_step_path_does_not_synchronise(name, with_context):
+    backend = ready(backend_class_or_skip(name))
     for step in range(3):  # metadata changes between steps; the first also builds wrappers
         p = make_problem(
             [300, 17, 1024],
@@ -56,12 +66,7 @@ def test_step_path_does_not_synchronise(name, with_context):
 
 def test_planning_from_device_offsets_is_caught():
     """The check above can fail: FLASHINFER made to plan from the device offsets trips it."""
-    cls = MLAPrefillBackendEnum["FLASHINFER"].get_class()
-    reasons = cls.validate_configuration(
-        current_device_capability(), MLAPrefillSelectorConfig.from_dims(torch.bfloat16, 128, 64, 128)
-    )
-    if reasons:
-        pytest.skip("; ".join(reasons))
+    cls = backend_class_or_skip("FLASHINFER")
 
     class PlansFromDeviceOffsets(cls):
         def prepare_metadata(self, prefill_metadata):
@@ -70,8 +75,7 @@ def test_planning_from_device_offsets_is_caught():
             prefill_metadata.mla_prefill_context_chunks = None
             super().prepare_metadata(prefill_metadata)
 
-    backend = PlansFromDeviceOffsets(16, 0.1147, 512, 128, 64, 128, None)
-    backend.reserve_workspace(torch.device("cuda"))
+    backend = ready(PlansFromDeviceOffsets)
     p = make_problem([300, 17, 1024], [700, 0, 2048], num_chunks=2, device="cuda", seed=0)
     host_query_start_loc(p.metadata)
     context_chunks(p.metadata)
