@@ -317,15 +317,9 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
     )
     # The whole add-on cost in a process that builds an MLA model: activate(), then the patch
     # applied by the post-import hook when vLLM's MLA module is imported (timed inside the hook).
-    with_patch = (
-        "import time, vllm; t=time.perf_counter(); import mla_prefill_ext;"
-        " from mla_prefill_ext import activation as a; inner=a._on_mla_module_imported; spent=[]\n"
-        "def timed(m):\n s=time.perf_counter(); inner(m); spent.append(time.perf_counter()-s)\n"
-        "a._on_mla_module_imported=timed; mla_prefill_ext.activate(); act=time.perf_counter()-t\n"
-        "import importlib; importlib.import_module('vllm.model_executor.layers.attention.mla_attention')\n"
-        "from mla_prefill_ext import patches; assert patches.is_instrumented() and len(spent) == 1\n"
-        "print(act + spent[0])"
-    )
+    # The same snippet as profile_startup.py's; it prints {"activate_ms", "patch_ms", ...}.
+    from profile_startup import TIMED as with_patch
+
     others = "lora_filesystem_resolver,lora_hf_hub_resolver"
     variants = {
         "import vllm": (only_import, {}),
@@ -346,7 +340,10 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
                 env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", **env},
                 check=True,
             )
-            samples[k].append(float(out.stdout.strip().splitlines()[-1]))
+            value = json.loads(out.stdout.strip().splitlines()[-1])
+            samples[k].append(
+                (value["activate_ms"] + value["patch_ms"]) / 1e3 if isinstance(value, dict) else value
+            )
     res = {
         k: {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3, "max_ms": max(v) * 1e3}
         for k, v in samples.items()

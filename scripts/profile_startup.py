@@ -55,7 +55,8 @@ mla_prefill_ext.activate()
 act = time.perf_counter() - t
 print({MARK!r}, file=sys.stderr, flush=True)
 import importlib; importlib.import_module({MLA_MODULE!r})
-assert len(spent) == 1, "the patch hook did not run"
+from mla_prefill_ext import patches
+assert patches.is_instrumented() and len(spent) == 1, "the patch was not applied by the hook"
 import json; print(json.dumps({{"activate_ms": act * 1e3, "patch_ms": spent[0] * 1e3,
     "file": mla_prefill_ext.__file__}}))
 """
