@@ -885,8 +885,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.conformance:
         return _check_conformance(args, host)
 
-    from mla_prefill_ext.problem import deepseek_yarn_scale, make_problem, run_backend
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability, select
+    from mla_prefill_ext.testing.problem import deepseek_yarn_scale, make_problem, run_backend
 
     choice = _backend_choice(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
-from mla_prefill_ext.problem import make_problem
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
+from mla_prefill_ext.testing.problem import make_problem
 
 BACKENDS = ["FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TORCH_SDPA"]
 SHAPES = {"4x1024 new": ([1024] * 4, None), "4x1024 new + 4x4096 context, 4 chunks": ([1024] * 4, [4096] * 4)}

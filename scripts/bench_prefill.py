@@ -137,7 +137,7 @@ def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, ar
     """Both ops of one backend on one shape, next to the bare kernel where there is one."""
     import torch
 
-    from mla_prefill_ext.problem import deepseek_yarn_scale
+    from mla_prefill_ext.testing.problem import deepseek_yarn_scale
 
     dims, heads = case["dims"], case["heads"]
     rows = []
@@ -184,9 +184,9 @@ def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, ar
 def bench_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from mla_prefill_ext.problem import make_problem
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
+    from mla_prefill_ext.testing.problem import make_problem
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     measure = _timer(device)

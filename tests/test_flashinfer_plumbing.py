@@ -15,7 +15,7 @@ import torch
 
 from mla_prefill_ext.backends import flashinfer
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
-from mla_prefill_ext.problem import make_problem
+from mla_prefill_ext.testing.problem import make_problem
 
 
 class RecordingWrapper:

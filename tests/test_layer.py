@@ -14,7 +14,7 @@ import host
 import pytest
 import torch
 
-from mla_prefill_ext.reference import reference_attention
+from mla_prefill_ext.testing.reference import reference_attention
 
 
 def build(cfg: Any, capability: tuple[int, int] | None, prefix: str = "model.layers.0.self_attn") -> Any:
@@ -266,7 +266,7 @@ def cpu_merge_attn_states(
     The merge rule is the add-on's reference one (``merge_attn_states_torch``); tokens from
     ``prefill_tokens_with_context`` on have no context and take the suffix as they are.
     """
-    from mla_prefill_ext.reference import merge_attn_states_torch
+    from mla_prefill_ext.testing.reference import merge_attn_states_torch
 
     assert output_scale is None
     n = output.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
@@ -437,7 +437,7 @@ def test_forward_mha_with_context_catches_a_wrong_backend(shim, clean_selection,
 
 def test_context_chunk_hook_calls_the_layer_backend(shim, clean_selection, model_dirs):
     """_compute_prefill_context gathers the KV cache with a CUDA kernel; its per-chunk hook is ours."""
-    from mla_prefill_ext.problem import make_problem
+    from mla_prefill_ext.testing.problem import make_problem
 
     cfg = host.make_vllm_config(model_dirs["plain"])
     layer = build(cfg, None)

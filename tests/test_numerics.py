@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
-from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
-from mla_prefill_ext.reference import merge_attn_states_torch, reference_attention
+from mla_prefill_ext.testing.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
+from mla_prefill_ext.testing.reference import merge_attn_states_torch, reference_attention
 
 R1_DIMS = (128, 64, 128)
 SMALL_DIMS = (64, 32, 64)  # an MLA shape other than DeepSeek-R1's

@@ -140,7 +140,7 @@ def test_context_chunk_hooks_run_the_steps_instance(shim, clean_selection, model
 def test_metadata_from_elsewhere_prepares_the_layers_own_backend_once_each(shim, clean_selection, model_dirs):
     """Metadata not built by the patched builder (tests, benchmarks): the layer's own instance,
     prepared once per metadata object, before and after builder steps."""
-    from mla_prefill_ext.problem import make_problem
+    from mla_prefill_ext.testing.problem import make_problem
 
     cfg = host.make_vllm_config(model_dirs["plain"])
     layer = build_layer(cfg, "model.layers.0.self_attn")

@@ -18,10 +18,10 @@ import torch
 from vllm.platforms.interface import DeviceCapability
 
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
-from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
-from mla_prefill_ext.reference import reference_attention
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+from mla_prefill_ext.testing.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
+from mla_prefill_ext.testing.reference import reference_attention
 
 REAL_KERNEL = flashinfer.prefill.trtllm_ragged_attention_deepseek
 WORKSPACE_BYTES = 4096

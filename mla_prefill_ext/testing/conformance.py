@@ -6,7 +6,7 @@ keyword arguments (``num_heads``, ``scale``, ``kv_lora_rank``, ``qk_nope_head_di
 ``prepare_metadata(prefill_metadata)``, ``run_prefill_new_tokens(q, k, v,
 return_softmax_lse)`` and ``run_prefill_context_chunk(chunk_idx, q, k, v)`` on
 problems that carry vLLM's own ``MLACommonPrefillMetadata``
-(:func:`mla_prefill_ext.problem.make_problem`). V arrives as vLLM hands it over: a
+(:func:`mla_prefill_ext.testing.problem.make_problem`). V arrives as vLLM hands it over: a
 strided view into kv_b_proj's ``[k_nope | v]`` rows (the columns before it are NaN
 here, so a backend that reads them shows it).
 
@@ -43,7 +43,7 @@ about 0.05-0.14: both far outside.
 
 Merging: on CUDA, vLLM's own ``merge_attn_states``. vLLM's op needs CUDA or Triton
 (on a CPU its Triton path fails: Triton has no CPU driver), so elsewhere
-:func:`mla_prefill_ext.reference.merge_attn_states_torch` is used: the same rule in
+:func:`mla_prefill_ext.testing.reference.merge_attn_states_torch` is used: the same rule in
 torch, with the kernel's float32 arithmetic, output dtype and treatment of
 infinite LSEs (empty parts).
 """
@@ -59,8 +59,8 @@ from typing import Any
 import torch
 
 from mla_prefill_ext.backends.base import R1_MLA_DIMS, MLAPrefillBackend
-from mla_prefill_ext.problem import PrefillProblem, deepseek_yarn_scale, make_problem
-from mla_prefill_ext.reference import ScaledReference, merge_attn_states_any
+from mla_prefill_ext.testing.problem import PrefillProblem, deepseek_yarn_scale, make_problem
+from mla_prefill_ext.testing.reference import ScaledReference, merge_attn_states_any
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 

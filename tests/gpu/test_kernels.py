@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mla_prefill_ext.backends.flash_attn import widened_v
-from mla_prefill_ext.problem import make_problem, run_backend
-from mla_prefill_ext.reference import reference_attention
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
+from mla_prefill_ext.testing.problem import make_problem, run_backend
+from mla_prefill_ext.testing.reference import reference_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
-from mla_prefill_ext.problem import make_problem
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
+from mla_prefill_ext.testing.problem import make_problem
 
 pytestmark = pytest.mark.gpu
 

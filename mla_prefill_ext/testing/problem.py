@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mla_prefill_ext.reference import merge_attn_states_any, reference_attention
+from mla_prefill_ext.testing.reference import merge_attn_states_any, reference_attention
 
 
 def deepseek_yarn_scale(qk_head_dim: int = 192, factor: float = 40.0, mscale_all_dim: float = 0.707) -> float:
