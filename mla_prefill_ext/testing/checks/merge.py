@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from mla_prefill_ext.testing.checks.context import CaseContext
+from mla_prefill_ext.testing.checks.scale import SAME_SCALE
 from mla_prefill_ext.testing.compare import max_abs_diff
 from mla_prefill_ext.testing.conventions import pair, synchronize
-from mla_prefill_ext.testing.properties import FAIL
+from mla_prefill_ext.testing.properties import FAIL, SKIP
 from mla_prefill_ext.testing.recorder import CaseRecorder
 from mla_prefill_ext.testing.reference import ScaledReference, merge_attn_states_any
 
@@ -41,7 +42,21 @@ def merged_step(ctx: CaseContext) -> torch.Tensor:
     return merged
 
 
-def check_merge(ctx: CaseContext, rec: CaseRecorder, scale: float, note: str) -> None:
+def check_merge(ctx: CaseContext, rec: CaseRecorder, s_new: float, s_ctx: float, note: str) -> None:
+    """At the scale the new tokens (``s_new``) and the chunks (``s_ctx``) were found to use."""
+    if rec.blocked("merge.whole_sequence", ["output.shape", "output.unpadded", "lse.layout"]):
+        return
+    if not ctx.chunk_bounds:
+        rec.add("merge.whole_sequence", SKIP, "no context in this case")
+        return
+    # One scale for the whole sequence: the paths' own, when they agree.
+    s0 = ctx.case.scale
+    s = (s_new + s_ctx) / 2 if abs(s_new / s_ctx - 1) < SAME_SCALE else s0
+    compare_merged(ctx, rec, s, note if s != s0 else "")
+
+
+def compare_merged(ctx: CaseContext, rec: CaseRecorder, scale: float, note: str) -> None:
+    """The merged step against the reference over each request's whole sequence at ``scale``."""
     p, qb, cb = ctx.problem, ctx.query_bounds, ctx.chunk_bounds
     try:
         merged = merged_step(ctx)

@@ -12,7 +12,7 @@ import torch
 from mla_prefill_ext.testing.checks.context import CaseContext
 from mla_prefill_ext.testing.checks.merge import check_merge
 from mla_prefill_ext.testing.checks.paths import ResultPath, chunk_paths, new_token_path
-from mla_prefill_ext.testing.checks.scale import SAME_SCALE, check_scale
+from mla_prefill_ext.testing.checks.scale import check_scale
 from mla_prefill_ext.testing.checks.structure import Usability
 from mla_prefill_ext.testing.conventions import pair
 from mla_prefill_ext.testing.formatting import fmt
@@ -42,16 +42,10 @@ def check_scale_and_values(ctx: CaseContext, rec: CaseRecorder, usable: Usabilit
     s_new = effective.get("new tokens", s0)
     s_ctx = effective.get("context chunks", s0)
     check_new_tokens(ctx, rec, new_path, s_new, note)
-    check_chunk_values(rec, chunks, s_ctx, note, ctx.tol.output_rel)
+    check_chunk_values(ctx, rec, chunks, s_ctx, note)
     check_natural_log(ctx, rec, [(new_path, s_new)] if rec.passed("causal") else [], chunks, s_ctx, note)
     check_empty_rows(ctx, rec)
-    if not rec.blocked("merge.whole_sequence", ["output.shape", "output.unpadded", "lse.layout"]):
-        if not ctx.chunk_bounds:
-            rec.add("merge.whole_sequence", SKIP, "no context in this case")
-        else:
-            # One scale for the whole sequence: the paths' own, when they agree.
-            s = (s_new + s_ctx) / 2 if abs(s_new / s_ctx - 1) < SAME_SCALE else s0
-            check_merge(ctx, rec, s, note if s != s0 else "")
+    check_merge(ctx, rec, s_new, s_ctx, note)
 
 
 def check_new_tokens(
@@ -77,7 +71,7 @@ def check_new_tokens(
 
 
 def check_chunk_values(
-    rec: CaseRecorder, chunks: list[ResultPath], scale: float, note: str, output_rel: float
+    ctx: CaseContext, rec: CaseRecorder, chunks: list[ResultPath], scale: float, note: str
 ) -> None:
     """context_chunk.values: every chunk's output, each request over its keys in the chunk."""
     if not chunks:
@@ -87,7 +81,7 @@ def check_chunk_values(
         for path in chunks:
             e, m, _, _ = path.errors(scale)
             oe, rm = max(oe, e), max(rm, m)
-        rec.measured("context_chunk.values", "max |out - ref|" + note, oe, output_rel * rm)
+        rec.measured("context_chunk.values", "max |out - ref|" + note, oe, ctx.tol.output_rel * rm)
 
 
 def check_natural_log(
