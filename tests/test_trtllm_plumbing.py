@@ -1,17 +1,26 @@
 """TRTLLM_RAGGED without an SM100 GPU: its validation, and what it hands the kernel.
 
-The kernel is replaced by a stand-in that checks every argument against the kernel's
-contract and computes the attention from exactly those arguments, so a wrong length,
-offset, flag or scale shows up as a wrong result as well as a failed check.
+The backend calls FlashInfer's real ``trtllm_ragged_attention_deepseek``: its argument
+checks, its output and LSE allocation and its call into the compiled op all run. Only the
+compiled op (SM100 cubins) is replaced, by a stand-in that takes its arguments in the order
+of the op's C++ declaration in FlashInfer's own source, checks them against the kernel's
+contract and computes the attention from exactly those arguments. The values are checked
+against a float64 attention written out in this module from each request's whole sequence,
+not from what the kernel was handed: a wrong length, offset, flag, scale or LSE handling
+shows up as a wrong result. What stays an assumption until an SM100 run: the compiled
+kernel's LSE is the natural log, as vLLM 0.20 merges it.
 """
 
 from __future__ import annotations
 
-import inspect
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import flashinfer
 import flashinfer.prefill
 import pytest
 import torch
@@ -23,7 +32,8 @@ from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 from mla_prefill_ext.testing.problem import PrefillProblem, deepseek_yarn_scale, make_problem, run_backend
 from mla_prefill_ext.testing.reference import reference_attention
 
-REAL_KERNEL = flashinfer.prefill.trtllm_ragged_attention_deepseek
+OP_SOURCE = Path(flashinfer.__file__).parent / "data" / "csrc" / "trtllm_fmha_kernel_launcher.cu"
+SM_COUNT = 148  # an SM100's; the op stand-in only checks it is passed through
 WORKSPACE_BYTES = 4096
 NUM_HEADS = 4
 
@@ -111,24 +121,45 @@ def test_name_and_registry_entry() -> None:
 # Argument plumbing
 
 
+def op_parameters() -> list[str]:
+    """The parameter names of the compiled op ``trtllm_ragged_attention``, in its C++ declaration's order."""
+    text = OP_SOURCE.read_text()
+    (decl,) = re.findall(r"void trtllm_ragged_attention\((.*?)\)\s*\{", text, re.S)
+    params, depth, current = [], 0, ""
+    for ch in decl:  # split at top-level commas: Variant<double, ffi::Tensor> holds one
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            params.append(current)
+            current = ""
+        else:
+            current += ch
+    return [p.split()[-1] for p in [*params, current]]
+
+
 @dataclass
-class KernelStandIn:
-    """``trtllm_ragged_attention_deepseek`` as its contract describes it, on CPU."""
+class OpStandIn:
+    """The compiled ``trtllm_ragged_attention`` op as its contract describes it, on CPU.
+
+    Called by FlashInfer's real Python wrapper; writes ``out`` (and ``lse``) in place, as the op does.
+    """
 
     backend: TrtllmRaggedPrefillBackend
     metadata: Any
     calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # Only arguments the real kernel takes, and each one once.
-        a = inspect.signature(REAL_KERNEL).bind(*args, **kwargs).arguments
+    def __call__(self, *args: Any) -> None:
+        names = op_parameters()
+        assert len(args) == len(names), f"the wrapper passed {len(args)} arguments, the op declares {names}"
+        a = dict(zip(names, args, strict=True))
         self.calls.append(a)
-        q, k, v, out = a["query"], a["key"], a["value"], a["out"]
+        q, k, v, out, lse = a["query"], a["key"], a["value"], a["out"], a["lse"]
         cum_q, cum_kv, seq_lens = a["cum_seq_lens_q"], a["cum_seq_lens_kv"], a["seq_lens"]
         q_lens = (cum_q[1:] - cum_q[:-1]).tolist()
 
         assert a["bmm1_scale"] == self.backend.scale
         assert (a["bmm2_scale"], a["o_sf_scale"], a["window_left"]) == (1.0, 1.0, -1)
+        assert a["attention_sinks"] is None and a["skip_softmax_threshold_scale_factor"] is None
+        assert a["sm_count"] == SM_COUNT and a["enable_pdl"] is False
         assert torch.equal(cum_q.cpu(), self.metadata.query_start_loc.cpu())
         assert a["batch_size"] == seq_lens.shape[0] == len(q_lens) == cum_kv.shape[0] - 1
         assert seq_lens.tolist() == (cum_kv[1:] - cum_kv[:-1]).tolist()
@@ -140,22 +171,53 @@ class KernelStandIn:
             assert seq_lens.tolist() == q_lens
         ws = a["workspace_buffer"]
         assert ws.dtype == torch.uint8 and ws.numel() == WORKSPACE_BYTES and ws.device == q.device
-        assert out is not None
-        assert out.shape == (q.shape[0], q.shape[1], v.shape[2])
+        assert a["workspace_size"] == WORKSPACE_BYTES
         assert out.dtype == self.metadata.output_dtype
+        assert lse is None or (lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32)
 
-        lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
         for b, n_kv in enumerate(seq_lens.tolist()):
             qs, qe, ks = cum_q[b].item(), cum_q[b + 1].item(), cum_kv[b].item()
             if n_kv == 0:
                 out[qs:qe] = 0
+                if lse is not None:
+                    lse[qs:qe] = float("-inf")
                 continue
             o, l_ = reference_attention(
                 q[qs:qe], k[ks : ks + n_kv], v[ks : ks + n_kv], a["bmm1_scale"], causal=a["is_causal"]
             )
             out[qs:qe] = o.to(out.dtype)
-            lse[qs:qe] = l_.transpose(0, 1).float()  # the kernel's layout: [tokens, heads]
-        return (out, lse) if a["return_lse"] else out
+            if lse is not None:
+                lse[qs:qe] = l_.transpose(0, 1).float()  # the layout the wrapper allocated: [tokens, heads]
+
+
+def expected_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 attention of one request, written out here: out [Lq, H, Dv], natural-log LSE [H, Lq].
+
+    Independent of the stand-in and of ``mla_prefill_ext.testing.reference``; causal masking
+    is bottom-right aligned (the new tokens are the last ``Lq`` of the ``Lk`` keys).
+    """
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        logits = logits.masked_fill(~visible, float("-inf"))
+    peak = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - peak)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.einsum("hqk,khd->qhd", weights / total, v.double())
+    return out, (peak + total.log()).squeeze(-1)
+
+
+def expected_step(problem: PrefillProblem, scale: float) -> torch.Tensor:
+    """Each request's new tokens over its whole sequence (context and new tokens), from the problem."""
+    outs, start = [], 0
+    for i, n in enumerate(problem.new_lens):
+        q = problem.q[start : start + n]
+        outs.append(expected_attention(q, problem.full_k[i], problem.full_v[i], scale, causal=True)[0])
+        start += n
+    return torch.cat(outs)
 
 
 def r1_problem(
@@ -164,10 +226,14 @@ def r1_problem(
     return make_problem(new_lens, context_lens, num_chunks=num_chunks, num_heads=NUM_HEADS, dtype=dtype)
 
 
-def install(monkeypatch: pytest.MonkeyPatch, problem: PrefillProblem, scale: float) -> KernelStandIn:
+def install(monkeypatch: pytest.MonkeyPatch, problem: PrefillProblem, scale: float) -> OpStandIn:
+    """A backend whose calls reach FlashInfer's real wrapper, and the stand-in of the compiled op under it."""
     backend = TrtllmRaggedPrefillBackend(NUM_HEADS, scale, 512, 128, 64, 128, None)
-    kernel = KernelStandIn(backend, problem.metadata)
-    monkeypatch.setattr(flashinfer.prefill, "trtllm_ragged_attention_deepseek", kernel)
+    kernel = OpStandIn(backend, problem.metadata)
+    # The compiled module (SM100 cubins) and the SM count of the device: the two things a CPU lacks.
+    module = SimpleNamespace(trtllm_ragged_attention=kernel)
+    monkeypatch.setattr(flashinfer.prefill, "get_trtllm_gen_fmha_module", lambda: module)
+    monkeypatch.setattr(flashinfer.prefill, "get_device_sm_count", lambda device: SM_COUNT)
     return kernel
 
 
@@ -187,7 +253,9 @@ def test_run_backend_with_context_chunks_matches_reference(
     kernel = install(monkeypatch, problem, scale)
     out = run_backend(kernel.backend, problem)
 
-    assert [(c["is_causal"], c["return_lse"]) for c in kernel.calls] == [(True, True)] + [(False, True)] * 3
+    assert [(c["is_causal"], c["lse"] is not None) for c in kernel.calls] == [(True, True)] + [
+        (False, True)
+    ] * 3
     chunk = problem.metadata.chunked_context
     for i, call in enumerate(kernel.calls[1:]):
         assert call["seq_lens"].tolist() == chunk.seq_lens[i].tolist()
@@ -198,10 +266,10 @@ def test_run_backend_with_context_chunks_matches_reference(
 
     assert out.shape == (32, NUM_HEADS, 128)
     assert out.dtype == dtype
-    ref = problem.reference(scale)
+    ref = expected_step(problem, scale)
     torch.testing.assert_close(out.double(), ref, atol=output_atol(dtype, ref), rtol=0)
-    # The scale matters: the reference at the plain scale is far off.
-    assert (out.double() - problem.reference(192**-0.5)).abs().max().item() > output_atol(dtype, ref)
+    # The scale matters: the expected values at the plain scale are far off.
+    assert (out.double() - expected_step(problem, 192**-0.5)).abs().max().item() > output_atol(dtype, ref)
 
 
 def test_new_tokens_without_context_return_a_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,10 +277,10 @@ def test_new_tokens_without_context_return_a_tensor(monkeypatch: pytest.MonkeyPa
     kernel = install(monkeypatch, problem, 192**-0.5)
     out = run_backend(kernel.backend, problem)
     assert isinstance(out, torch.Tensor)
-    assert [(c["is_causal"], c["return_lse"]) for c in kernel.calls] == [(True, False)]
+    assert [(c["is_causal"], c["lse"] is not None) for c in kernel.calls] == [(True, False)]
     assert kernel.calls[0]["seq_lens"].tolist() == [3, 11, 6]
     assert kernel.calls[0]["max_kv_len"] == kernel.calls[0]["max_q_len"] == 11
-    ref = problem.reference(192**-0.5)
+    ref = expected_step(problem, 192**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=output_atol(torch.bfloat16, ref), rtol=0)
 
 
@@ -229,7 +297,7 @@ def test_new_tokens_lse_is_heads_by_tokens(monkeypatch: pytest.MonkeyPatch) -> N
     start = 0
     for n in new_lens:
         sl = slice(start, start + n)
-        _, ref_lse = reference_attention(problem.q[sl], problem.k[sl], problem.v[sl], 0.1, causal=True)
+        _, ref_lse = expected_attention(problem.q[sl], problem.k[sl], problem.v[sl], 0.1, causal=True)
         torch.testing.assert_close(lse[:, sl].double(), ref_lse, atol=1e-4, rtol=0)
         start += n
 
@@ -243,7 +311,7 @@ def test_context_chunk_lse_is_heads_by_tokens(monkeypatch: pytest.MonkeyPatch) -
     assert (out[:2] == 0).all()
     assert lse.shape == (NUM_HEADS, 7)
     assert torch.isneginf(lse[:, :2]).all()  # request 0 has no context
-    _, ref_lse = reference_attention(
+    _, ref_lse = expected_attention(
         problem.q[2:], problem.full_k[1][:20], problem.full_v[1][:20], 0.1, causal=False
     )
     torch.testing.assert_close(lse[:, 2:].double(), ref_lse, atol=1e-4, rtol=0)
