@@ -61,6 +61,7 @@ MAX_TOKENS = 8
 WARM_SUFFIX = "-warm"
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
 SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
+MIN_SIDE_S = 45.0  # a side given less than this before --deadline is skipped, not started
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,8 @@ def worker_report(worker: Any) -> dict[str, Any]:
     env = _sys.modules.get("flashinfer.jit.env")
     modules, misses = [], {}
     if env is not None:
-        dirs = [str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR)]
+        # Resolved: the maps name the files the loader opened, links followed.
+        dirs = [_os.path.realpath(env.FLASHINFER_JIT_DIR), _os.path.realpath(env.FLASHINFER_AOT_DIR)]
         with open("/proc/self/maps") as f:
             modules = mapped_modules(f.read(), dirs)
     prefill = _sys.modules.get("flashinfer.prefill")
@@ -365,6 +367,23 @@ def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def run_child(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Run one side's process; its exit status, or None when it ran out of time (then its whole tree is
+    killed: vLLM's engine core runs in a process of its own, and must not hold the GPU for the next side)."""
+    import psutil  # comes with vLLM
+
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            return None
+
+
 def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     filled: dict[str, Path] = {}  # backend -> the FlashInfer cache its cold side filled
@@ -401,21 +420,21 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": state}
         raw["flashinfer_cache"] = str(flashinfer)
         raw["cache_before"] = modules_in_cache(flashinfer)
+        limit = args.side_timeout
+        if args.deadline is not None:
+            limit = min(limit, args.deadline - time.time())
+        if limit < MIN_SIDE_S:
+            raw.update(
+                ok=False, returncode=None, error=f"skipped: {max(limit, 0):.0f} s left before the deadline"
+            )
+            results.append(raw)
+            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {raw['error']}", flush=True)
+            continue
         print(f"[{time.strftime('%H:%M:%S')}] {side.label}: starting (FlashInfer cache {state})", flush=True)
         launched = time.time()
-        with open(log, "w") as log_file:
-            try:
-                proc = subprocess.run(
-                    [*command, "--launched-at", repr(launched)],
-                    env=env,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    timeout=args.side_timeout,
-                )
-                raw["returncode"] = proc.returncode
-            except subprocess.TimeoutExpired:
-                raw["returncode"] = None
-                raw["error"] = f"no result within {args.side_timeout} s"
+        raw["returncode"] = run_child([*command, "--launched-at", repr(launched)], env, log, limit)
+        if raw["returncode"] is None:
+            raw["error"] = f"no result within {limit:.0f} s"
         raw["cache_after"] = modules_in_cache(flashinfer)
         raw["log"] = str(log)
         if out.exists():
@@ -475,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-host-caches", action="store_true", help="vLLM's and Triton's caches as the host has them"
     )
     parser.add_argument("--side-timeout", type=float, default=480.0, help="seconds one side may take")
+    parser.add_argument(
+        "--deadline", type=float, help="epoch seconds: no side runs past it; sides without time are skipped"
+    )
     parser.add_argument("--child", metavar="SIDE", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)

@@ -195,3 +195,38 @@ def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_pat
     assert data["versions"]["vllm"] == "0.20.2"
     assert (tmp_path / "logs" / "stock.log").read_text()  # the child's own output, for the reader
     assert "| stock | failed: exit status" in proc.stdout
+
+
+def test_sides_past_the_deadline_are_skipped_not_started(tmp_path):
+    out = tmp_path / "first.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sides", "stock,FLASHINFER", "--deadline", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    sides = json.loads(out.read_text())["sides"]
+    assert [(s["side"], s["ok"], s["error"]) for s in sides] == [
+        ("stock", False, "skipped: 0 s left before the deadline"),
+        ("FLASHINFER", False, "skipped: 0 s left before the deadline"),
+    ]
+
+
+def test_a_side_out_of_time_is_killed_with_its_engine_process(tmp_path):
+    """vLLM's engine core is a process of the side's own: it goes too, freeing the GPU for the next side."""
+    import psutil
+
+    log = tmp_path / "side.log"
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
+    assert bench.run_child([sys.executable, "-c", child], dict(), log, 3.0) is None
+    grandchild = int(log.read_text().split()[0])
+    try:
+        assert psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
+    except psutil.NoSuchProcess:
+        pass
+    assert bench.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(), log, 30.0) == 3
