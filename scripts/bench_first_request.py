@@ -268,7 +268,7 @@ def worker_report(worker: Any) -> dict[str, Any]:
     if prefill is not None:
         for name in dir(prefill):
             info = getattr(getattr(prefill, name), "cache_info", None)
-            if name.startswith("get_") and callable(info):
+            if name.startswith("get_") and name.endswith("_module") and callable(info):
                 misses[name] = info().misses
     return {
         "pid": _os.getpid(),

@@ -29,8 +29,8 @@ STEP = textwrap.dedent(
         from mla_prefill_ext.problem import make_problem
 
     def misses():
-        return sum(getattr(fi, n).cache_info().misses for n in dir(fi)
-                   if n.startswith("get_") and hasattr(getattr(fi, n), "cache_info"))
+        getters = [getattr(fi, n) for n in dir(fi) if n.startswith("get_") and n.endswith("_module")]
+        return sum(g.cache_info().misses for g in getters if hasattr(g, "cache_info"))
 
     def digest(t):
         return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
