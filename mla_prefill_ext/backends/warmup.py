@@ -45,7 +45,7 @@ class WarmupRecord(NamedTuple):
 # Configuration -> its record. Module state on purpose: "once per process" is its job. A lock,
 # not just the dict: a second caller (another builder of the same process) waits for the first.
 _DONE: dict[tuple, WarmupRecord] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 
 
 def completed() -> list[WarmupRecord]:
