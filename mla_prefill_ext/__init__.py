@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AutoSelectClaim": "mla_prefill_ext.backends.base",
+    "KernelWarmup": "mla_prefill_ext.backends.base",
     "MLAPrefillBackend": "mla_prefill_ext.backends.base",
     "MLAPrefillBackendEnum": "mla_prefill_ext.registry",
     "register_mla_prefill_backend": "mla_prefill_ext.registry",
@@ -34,6 +35,7 @@ _LAZY = {
 
 __all__ = [
     "AutoSelectClaim",
+    "KernelWarmup",
     "MLAPrefillBackend",
     "MLAPrefillBackendEnum",
     "MLAPrefillSelectorConfig",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from mla_prefill_ext.backends.base import AutoSelectClaim, MLAPrefillBackend
+    from mla_prefill_ext.backends.base import AutoSelectClaim, KernelWarmup, MLAPrefillBackend
     from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig, get_mla_prefill_backend
 

@@ -9,6 +9,9 @@ environment.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+from mla_prefill_ext.backends.base import KernelWarmup
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 
 
@@ -18,6 +21,42 @@ class WrappedSDPABackend(TorchSDPAPrefillBackend):
     @staticmethod
     def get_name() -> str:
         return "WRAPPED_SDPA"
+
+
+class WarmingSDPABackend(TorchSDPAPrefillBackend):
+    """TORCH_SDPA declaring a warm-up of every variant; records each call as (instance id, what, argument)."""
+
+    kernel_warmup = KernelWarmup(note="a test backend that warms every variant")
+    calls: ClassVar[list[tuple[int, str, Any]]] = []
+
+    @staticmethod
+    def get_name() -> str:
+        return "WARMING_SDPA"
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        self.calls.append((id(self), "prepare_metadata", type(prefill_metadata).__name__))
+        super().prepare_metadata(prefill_metadata)
+
+    def run_prefill_new_tokens(self, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
+        self.calls.append((id(self), "new_tokens", return_softmax_lse))
+        return super().run_prefill_new_tokens(q, k, v, return_softmax_lse)
+
+    def run_prefill_context_chunk(self, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
+        self.calls.append((id(self), "context_chunk", chunk_idx))
+        return super().run_prefill_context_chunk(chunk_idx, q, k, v)
+
+
+class FailingWarmupBackend(TorchSDPAPrefillBackend):
+    """Declares a warm-up of its context-chunk kernel, which cannot be built on this host."""
+
+    kernel_warmup = KernelWarmup(new_tokens=False, new_tokens_lse=False)
+
+    @staticmethod
+    def get_name() -> str:
+        return "FAILING_WARMUP"
+
+    def run_prefill_context_chunk(self, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
+        raise RuntimeError("building the context-chunk kernel failed: no compiler on this host")
 
 
 class Outer:

@@ -114,6 +114,32 @@ class AutoSelectClaim(NamedTuple):
         return False
 
 
+class KernelWarmup(NamedTuple):
+    """The kernel variants a backend builds or loads at engine start, before the first request.
+
+    The layers call three variants: ``new_tokens`` (causal, output only: steps without
+    cached context), ``new_tokens_lse`` (causal, with the LSE: steps with cached context)
+    and ``context_chunk`` (non-causal over a context chunk, with the LSE). Declare a
+    warm-up when the first call of a variant is slow (a JIT build, a kernel download, a
+    library load): :meth:`MLAPrefillBackend.warm_up` then runs the flagged variants once
+    per process and configuration, in the model's dtype and head configuration, when vLLM
+    creates its metadata builder (before the engine reports ready). ``note`` is said in
+    the start-up log line, e.g. what takes long and when.
+    """
+
+    new_tokens: bool = True
+    new_tokens_lse: bool = True
+    context_chunk: bool = True
+    note: str = ""
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The flagged variants' names, in the order they run."""
+        return tuple(
+            name for name in ("new_tokens", "new_tokens_lse", "context_chunk") if getattr(self, name)
+        )
+
+
 class MLAPrefillBackend(ABC):
     """One MLA prefill attention kernel, owned by one MLA attention layer.
 
@@ -135,7 +161,8 @@ class MLAPrefillBackend(ABC):
     dims. Each vLLM metadata builder (one per KV-cache group, one more per micro-batch
     with dual-batch overlap) makes one :meth:`clone` per distinct set of those
     parameters, calls :meth:`reserve_workspace` on it at once (before vLLM sizes the
-    KV cache), and per step calls :meth:`prepare_metadata` on it once with vLLM's
+    KV cache; :meth:`warm_up` runs just before, once per process and configuration,
+    see :class:`KernelWarmup`), and per step calls :meth:`prepare_metadata` on it once with vLLM's
     ``MLACommonPrefillMetadata``. Every layer whose parameters are equal runs on that
     prepared instance: :meth:`run_prefill_new_tokens` (causal attention among the
     new tokens) and, when requests have cached context,
@@ -165,6 +192,9 @@ class MLAPrefillBackend(ABC):
 
     auto_select_claim: ClassVar[AutoSelectClaim | dict[str, Any] | None] = None
     """Out-of-tree backends: where to join automatic selection (see :class:`AutoSelectClaim`)."""
+
+    kernel_warmup: ClassVar[KernelWarmup | None] = None
+    """What to build or load at engine start (see :class:`KernelWarmup`); None: nothing."""
 
     @staticmethod
     @abstractmethod
@@ -273,6 +303,23 @@ class MLAPrefillBackend(ABC):
         before the KV cache is sized. Default: nothing to allocate.
         """
         return None
+
+    def warm_up(
+        self, device: torch.device, q_data_type: torch.dtype, output_dtype: torch.dtype
+    ) -> float | None:
+        """Run the declared :attr:`kernel_warmup` once per process and configuration.
+
+        The host calls this when vLLM creates a metadata builder (engine start, before the
+        KV cache is allocated), with the step dtypes the builder will hand over. It runs a
+        :meth:`clone` through a small synthetic step (:meth:`reserve_workspace`,
+        :meth:`prepare_metadata`, then each flagged run method) and drops it: results are
+        discarded and nothing is left on this instance or on any other. Returns the seconds
+        it took, or None when nothing ran (nothing declared, or this configuration warmed
+        up already in this process).
+        """
+        from mla_prefill_ext.backends.warmup import warm_up_once
+
+        return warm_up_once(self, torch.device(device), q_data_type, output_dtype)
 
     @property
     def qk_head_dim(self) -> int:

@@ -77,6 +77,9 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     """
 
     hardware_note: ClassVar[str] = "H200 (SM90, FA3)"
+    # No warm-up (kernel_warmup stays None): vLLM's wheel (or flash-attn's) ships these kernels
+    # compiled, and the library is loaded with vLLM. A variant's first call only loads its
+    # function from it (CUDA lazy loading, milliseconds), as in stock vLLM, which runs this kernel.
 
     @staticmethod
     def get_name() -> str:

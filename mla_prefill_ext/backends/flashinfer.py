@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks, host_query_start_loc
+from mla_prefill_ext.backends.base import (
+    KernelWarmup,
+    MLAPrefillBackend,
+    context_chunks,
+    host_query_start_loc,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +67,14 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     requires_r1_mla_dimensions: ClassVar[bool] = True
     supports_fp8_query: ClassVar[bool] = True  # the SM100 cutlass kernel takes FP8 q/k/v
     hardware_note: ClassVar[str] = "H200 (SM90, fa3); SM100 (cutlass) unverified on hardware"
+    # FlashInfer JIT-compiles a kernel family the first time a plan() needs it (about a minute for
+    # fa3 on an H200 host) and loads it from its cache after that: at engine start, not on the
+    # first request. One family serves all three variants today (the mask and the LSE are run-time
+    # arguments); all three are declared so that a FlashInfer that splits them is covered too.
+    kernel_warmup: ClassVar[KernelWarmup] = KernelWarmup(
+        note="FlashInfer compiles them on a host's first start (about a minute on an H200) "
+        "and loads them from its cache (FLASHINFER_WORKSPACE_BASE) after that"
+    )
 
     @staticmethod
     def get_name() -> str:

@@ -51,6 +51,8 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
         torch.float32,
     )
     hardware_note: ClassVar[str] = "CPU (CI); H200 (SM90)"
+    # No warm-up (kernel_warmup stays None): PyTorch ships its attention kernels compiled; there is
+    # nothing to build, and a first call costs what loading a kernel function costs (milliseconds).
 
     @staticmethod
     def get_name() -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
+from mla_prefill_ext.backends.base import KernelWarmup, MLAPrefillBackend, context_chunks
 
 if TYPE_CHECKING:
     from vllm.platforms.interface import DeviceCapability
@@ -23,6 +23,13 @@ class TrtllmRaggedPrefillBackend(MLAPrefillBackend):
     requires_r1_mla_dimensions: ClassVar[bool] = True
     supports_fp8_query: ClassVar[bool] = True
     hardware_note: ClassVar[str] = "unverified on hardware (needs SM100)"
+    # FlashInfer JIT-builds the TensorRT-LLM runner on its first call and then loads each kernel's
+    # cubin as a variant first runs (from flashinfer-cubin, or downloaded into its cache): all at
+    # engine start. Unverified on hardware, like the backend.
+    kernel_warmup: ClassVar[KernelWarmup] = KernelWarmup(
+        note="FlashInfer builds its TensorRT-LLM runner on a host's first start "
+        "and loads it from its cache after that"
+    )
 
     @staticmethod
     def get_name() -> str:

@@ -313,6 +313,8 @@ def _runners(builder: Any) -> dict[Any, Any] | None:
     for layer in layers:
         backend = getattr(layer, "prefill_backend", None)
         if backend is not None and backend.step_key not in runners:
+            # Kernels built or loaded now, at engine start, not on a first request (once per process).
+            backend.warm_up(builder.device, builder.q_data_type, builder.model_config.dtype)
             runner = backend.clone()
             runner.reserve_workspace(builder.device)
             runners[backend.step_key] = runner

@@ -9,6 +9,9 @@ this folder is put on ``PYTHONPATH`` so vLLM's engine processes import it too):
 * :class:`Base2LseBackend`: returns the softmax LSE in base 2 (``lse / ln 2``), as
   FlashInfer's kernels do, so vLLM's ``merge_attn_states`` (natural log) mis-weights
   every merge of context chunks and new tokens.
+* :class:`FlashInferWithoutWarmup`: the add-on's FLASHINFER with no warm-up declared, so
+  FlashInfer builds or loads its prefill kernels at the first request instead of at engine
+  start (``tests/gpu/test_first_request.py`` must see that).
 
 The mistakes live in mixins, so the CPU layer test (tests/test_layer.py) applies the
 very same mutations to the portable TORCH_SDPA backend (:class:`SdpaScaleOffBackend`,
@@ -22,6 +25,7 @@ import math
 from typing import Any
 
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
+from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 
 SCALE_ERROR = 1.02
@@ -75,3 +79,11 @@ class SdpaBase2LseBackend(Base2LseMixin, TorchSDPAPrefillBackend):
     @staticmethod
     def get_name() -> str:
         return "MUTANT_SDPA_BASE2_LSE"
+
+
+class FlashInferWithoutWarmup(FlashInferPrefillBackend):
+    kernel_warmup = None  # the mistake: nothing built or loaded before the engine reports ready
+
+    @staticmethod
+    def get_name() -> str:
+        return "MUTANT_NO_WARMUP"

@@ -1,0 +1,532 @@
+#!/usr/bin/env python3
+"""First requests after a fresh start: start-up time and first-wave latency, per backend and stock.
+
+    python scripts/bench_first_request.py [--sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm]
+        [--quick] [--eager] [--requests N] [--max-num-batched-tokens N] [--json out.json]
+        [--logs DIR] [--cache-root DIR] [--warm-cache DIR] [--flashinfer-cache DIR]
+        [--keep-host-caches]
+
+Each side is one engine lifetime in a fresh process (this script with ``--child``), the sides
+one after the other, each alone on the GPU: ``stock`` runs with ``MLA_PREFILL_EXT_DISABLE=1``
+(vLLM as shipped), ``NAME`` with ``MLA_PREFILL_BACKEND=NAME``, and ``NAME-warm`` as ``NAME``
+but with the FlashInfer JIT cache that the earlier side ``NAME`` filled, or with ``--warm-cache
+DIR`` (e.g. one pre-built by ``mla-prefill-ext check --backend FLASHINFER --device cuda``).
+
+Caches: every side starts with fresh caches of its own under ``--cache-root`` (default: a
+temporary folder, removed at the end), as a new container would: FlashInfer's JIT cache
+(``FLASHINFER_WORKSPACE_BASE``), vLLM's compile cache (``VLLM_CACHE_ROOT``) and Triton's
+(``TRITON_CACHE_DIR``). ``--keep-host-caches`` leaves vLLM's and Triton's caches as the host has
+them (faster, but then a later side reuses what an earlier one compiled); ``--flashinfer-cache
+DIR`` gives every side that one FlashInfer cache instead of a fresh one.
+
+Engine: ``AsyncLLM`` (the engine ``vllm serve`` runs, without the HTTP server) on the tiny
+DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
+no tokenizer (prompts are token ids), prefix caching on, and a small ``max_num_batched_tokens``
+so that long prompts prefill in chunks over their own earlier tokens: context chunks from the
+first requests on. torch.compile and CUDA graphs unless ``--eager``.
+
+"Up after": from launching the side's process to the engine being ready (imports, model, KV
+cache, the add-on's warm-up, compilation, CUDA graphs). First wave: ``--requests`` requests sent
+at once as soon as the engine is ready, greedy, 8 tokens each; prompt lengths 100-12,000 tokens,
+every fourth sharing a 6,000-token prefix (``--quick``: 16 requests of 100-6,000 tokens, a 3,000-
+token prefix); the same prompts on every side. A request's latency runs from sending it to its
+last token. After start-up and again after the wave, every worker reports which backend owns MLA
+prefill, the add-on's warm-ups (what, how long) and FlashInfer's JIT modules mapped in the process
+with its module getters' cache misses: a module loaded during the wave is a kernel the engine had
+not built or loaded before it reported ready.
+
+Raw results go to ``--json`` after each side, before any arithmetic; the table after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
+VOCAB = 32000
+MAX_TOKENS = 8
+WARM_SUFFIX = "-warm"
+DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
+SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
+MIN_SIDE_S = 45.0  # a side given less than this before --deadline is skipped, not started
+
+
+@dataclass(frozen=True)
+class Wave:
+    """The first wave's shape: how many requests, their prompt lengths, the shared prefix."""
+
+    requests: int = 64
+    min_len: int = 100
+    max_len: int = 12000
+    prefix_len: int = 6000
+    share_every: int = 4  # every fourth request starts with the shared prefix
+    seed: int = 0
+
+
+QUICK_WAVE = Wave(requests=16, max_len=6000, prefix_len=3000)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One engine lifetime: ``stock``, a backend name, or a backend with a warm FlashInfer cache."""
+
+    label: str
+    backend: str | None  # None: stock (the add-on disabled)
+    warm: bool = False
+
+
+# --- pure parts (unit-tested on the CPU) -----------------------------------------------------
+
+
+def parse_sides(text: str, warm_cache_given: bool = False) -> list[Side]:
+    """``stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm`` -> sides; a warm side needs its cache's source."""
+    sides: list[Side] = []
+    for raw in text.split(","):
+        label = raw.strip()
+        if not label:
+            raise ValueError(f"empty side in {text!r}")
+        if label.lower() == "stock":
+            side = Side("stock", None)
+        elif label.endswith(WARM_SUFFIX):
+            backend = label[: -len(WARM_SUFFIX)].upper()
+            if not warm_cache_given and not any(s.backend == backend and not s.warm for s in sides):
+                raise ValueError(
+                    f"side {label!r} reuses the FlashInfer cache of an earlier side {backend!r}: "
+                    "list that side first, or give --warm-cache DIR"
+                )
+            side = Side(f"{backend}{WARM_SUFFIX}", backend, warm=True)
+        else:
+            side = Side(label.upper(), label.upper())
+        if any(s.label == side.label for s in sides):
+            raise ValueError(f"side {side.label!r} listed twice")
+        sides.append(side)
+    return sides
+
+
+def side_env(side: Side) -> dict[str, str]:
+    """The add-on's switches for a side's process (every other one of them removed)."""
+    return {"MLA_PREFILL_EXT_DISABLE": "1"} if side.backend is None else {"MLA_PREFILL_BACKEND": side.backend}
+
+
+def cache_env(flashinfer: Path, host: Path | None) -> dict[str, str]:
+    """Where a side's process keeps FlashInfer's JIT cache, and vLLM's and Triton's (None: the host's)."""
+    env = {"FLASHINFER_WORKSPACE_BASE": str(flashinfer)}
+    if host is not None:
+        env.update(VLLM_CACHE_ROOT=str(host / "vllm"), TRITON_CACHE_DIR=str(host / "triton"))
+    return env
+
+
+def make_wave(wave: Wave) -> list[list[int]]:
+    """The first wave's prompts (token ids), the same for every side."""
+    rng = random.Random(wave.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(2, VOCAB) for _ in range(n)]
+
+    prefix = tokens(wave.prefix_len)
+    prompts = []
+    for i in range(wave.requests):
+        if i % wave.share_every == 0:
+            prompts.append(prefix + tokens(rng.randint(wave.min_len, wave.max_len - wave.prefix_len)))
+        else:
+            prompts.append(tokens(rng.randint(wave.min_len, wave.max_len)))
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def modules_in_cache(base: Path) -> list[str]:
+    """FlashInfer JIT modules compiled into the cache under ``base`` (a FLASHINFER_WORKSPACE_BASE)."""
+    root = base / ".cache" / "flashinfer"
+    if not root.is_dir():
+        return []
+    return sorted({so.parent.name for so in root.glob("*/*/cached_ops/*/*.so") if so.stem == so.parent.name})
+
+
+def mapped_modules(maps: str, dirs: list[str]) -> list[str]:
+    """Names of the FlashInfer modules a process has mapped, from its /proc/self/maps text."""
+    found = set()
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if path.endswith(".so") and any(path.startswith(d.rstrip("/") + "/") for d in dirs):
+            found.add(Path(path).parent.name)
+    return sorted(found)
+
+
+def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """One side's figures from its raw record."""
+    row: dict[str, Any] = {"side": raw["side"], "ok": raw.get("ok", False)}
+    if not row["ok"]:
+        row["error"] = raw.get("error", "no result")
+        return row
+    latencies = [r["done_s"] for r in raw["requests"]]
+    before, after = raw["workers_ready"], raw["workers_after_wave"]
+    row.update(
+        up_after_s=raw["ready_wall"] - raw["launched_at"],
+        engine_s=raw["ready_wall"] - raw["engine_started_wall"],
+        warmup_s=sum(w["seconds"] for report in before for w in report["warmups"]),
+        p50_s=percentile(latencies, 50),
+        p99_s=percentile(latencies, 99),
+        max_s=max(latencies),
+        ttft_p99_s=percentile([r["first_token_s"] for r in raw["requests"]], 99),
+        requests=len(latencies),
+        cached_prompt_tokens=sum(r["num_cached_tokens"] or 0 for r in raw["requests"]),
+        modules_loaded_in_wave=sorted(
+            {
+                m
+                for a, b in zip(before, after, strict=True)
+                for m in set(b["flashinfer_modules"]) - set(a["flashinfer_modules"])
+            }
+        ),
+        modules_built=sorted(set(raw["cache_after"]) - set(raw["cache_before"])),
+        flashinfer_cache=raw["flashinfer_cache_state"],
+    )
+    return row
+
+
+def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every side's figures, with its p99 and start-up next to stock's where stock ran."""
+    rows = [side_summary(raw) for raw in sides]
+    stock = next((r for r in rows if r["side"] == "stock" and r["ok"]), None)
+    for row in rows:
+        if stock is not None and row["ok"]:
+            row["p99_vs_stock"] = row["p99_s"] / stock["p99_s"]
+            row["up_after_vs_stock_s"] = row["up_after_s"] - stock["up_after_s"]
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| side | FlashInfer cache | up after | of it, prefill warm-up | first wave p50 | p99 | max "
+        "| p99 / stock | FlashInfer modules loaded during the wave |",
+        "| --- " * 9 + "|",
+    ]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['side']} | failed: {r['error']} |" + " |" * 7)
+            continue
+        ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
+        loaded = ", ".join(r["modules_loaded_in_wave"]) or "none"
+        lines.append(
+            f"| {r['side']} | {r['flashinfer_cache']} | {r['up_after_s']:.0f} s | {r['warmup_s']:.1f} s "
+            f"| {r['p50_s']:.2f} s | {r['p99_s']:.2f} s | {r['max_s']:.2f} s | {ratio} | {loaded} |"
+        )
+    return lines
+
+
+# --- inside a worker (collective_rpc) ------------------------------------------------------
+
+
+def worker_report(worker: Any) -> dict[str, Any]:
+    """Runs in each worker: what owns MLA prefill, the add-on's warm-ups, FlashInfer's loaded modules."""
+    import os as _os
+    import sys as _sys
+
+    owners = set()
+    for module in worker.get_model().modules():
+        if type(module).__name__ == "MLAAttention" and hasattr(module, "prefill_backend"):
+            backend = module.prefill_backend
+            owners.add(backend.get_name() if backend is not None else "vLLM's own")
+    warmup = _sys.modules.get("mla_prefill_ext.backends.warmup")
+    warmups = [record._asdict() for record in warmup.completed()] if warmup is not None else []
+    chunk_plans = []  # FLASHINFER's per-builder context-chunk wrappers: one per chunk a step planned
+    for groups in getattr(worker.model_runner, "attn_groups", []):
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", []):
+                for runner in (getattr(builder, "_mla_prefill_runners", None) or {}).values():
+                    chunk_plans.append(len(getattr(runner, "_chunks", [])))
+    env = _sys.modules.get("flashinfer.jit.env")
+    modules, misses = [], {}
+    if env is not None:
+        # Resolved: the maps name the files the loader opened, links followed.
+        dirs = [_os.path.realpath(env.FLASHINFER_JIT_DIR), _os.path.realpath(env.FLASHINFER_AOT_DIR)]
+        with open("/proc/self/maps") as f:
+            modules = mapped_modules(f.read(), dirs)
+    prefill = _sys.modules.get("flashinfer.prefill")
+    if prefill is not None:
+        for name in dir(prefill):
+            info = getattr(getattr(prefill, name), "cache_info", None)
+            if name.startswith("get_") and name.endswith("_module") and callable(info):
+                misses[name] = info().misses
+    return {
+        "pid": _os.getpid(),
+        "owners": sorted(owners),
+        "warmups": warmups,
+        "context_chunk_wrappers": chunk_plans,
+        "flashinfer_modules": modules,
+        "flashinfer_getter_misses": misses,
+    }
+
+
+# --- one side: the child process -----------------------------------------------------------
+
+
+async def run_side(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    wave = QUICK_WAVE if args.quick else Wave()
+    if args.requests:
+        wave = Wave(**{**asdict(wave), "requests": args.requests})
+    prompts = make_wave(wave)
+    record: dict[str, Any] = {"engine_started_wall": time.time()}
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(MODEL_DIR),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=16384,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=True,
+            enforce_eager=args.eager,
+            gpu_memory_utilization=args.gpu_mem,
+            seed=0,
+            # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose JIT
+            # build would take minutes on every side with a cold cache (not the MLA prefill path).
+            moe_backend="triton",
+            disable_log_stats=True,
+        )
+    )
+    try:
+        record["ready_wall"] = time.time()
+        record["workers_ready"] = await engine.collective_rpc(worker_report)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+
+        async def one(i: int, prompt: list[int]) -> dict[str, Any]:
+            start = time.perf_counter()
+            first = None
+            final = None
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"wave-{i}"):
+                if first is None:
+                    first = time.perf_counter() - start
+                final = out
+            assert final is not None and final.finished
+            return {
+                "prompt_len": len(prompt),
+                "first_token_s": first,
+                "done_s": time.perf_counter() - start,
+                "output_tokens": len(final.outputs[0].token_ids),
+                "num_cached_tokens": final.num_cached_tokens,
+            }
+
+        wave_start = time.perf_counter()
+        record["requests"] = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        record["wave_s"] = time.perf_counter() - wave_start
+        record["workers_after_wave"] = await engine.collective_rpc(worker_report)
+        record["wave"] = asdict(wave)
+    finally:
+        engine.shutdown()
+    return record
+
+
+def child_main(args: argparse.Namespace) -> int:
+    record = asyncio.run(run_side(args))
+    record["launched_at"] = args.launched_at
+    Path(args.out).write_text(json.dumps(record))
+    return 0
+
+
+# --- the sides, one after the other ------------------------------------------------------
+
+
+def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
+    """Why the side's engine is not what the side claims (None: it is)."""
+    for report in reports:
+        if side.backend is None:
+            ok = not report["owners"]
+        elif side.backend == "CUSTOM":  # a registered class, whatever get_name() it answers
+            ok = len(report["owners"]) == 1 and report["owners"] != ["vLLM's own"]
+        else:
+            ok = report["owners"] == [side.backend]
+        if not ok:
+            return f"its worker reports MLA prefill owned by {report['owners']}"
+    return None
+
+
+def run_child(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Run one side's process; its exit status, or None when it ran out of time (then its whole tree is
+    killed: vLLM's engine core runs in a process of its own, and must not hold the GPU for the next side)."""
+    import psutil  # comes with vLLM
+
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            return None
+
+
+def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    filled: dict[str, Path] = {}  # backend -> the FlashInfer cache its cold side filled
+    for n, side in enumerate(sides):
+        home = cache_root / f"{n}-{side.label}"
+        if side.warm:
+            flashinfer = Path(args.warm_cache) if args.warm_cache else filled[side.backend]
+            state = "warm"
+        elif args.flashinfer_cache:
+            flashinfer, state = Path(args.flashinfer_cache), "given"
+        else:
+            flashinfer, state = home / "flashinfer", "cold"
+        if not side.warm and side.backend is not None:
+            filled[side.backend] = flashinfer
+        env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
+        env.update(side_env(side))
+        env.update(cache_env(flashinfer, None if args.keep_host_caches else home))
+        env.update(
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc with worker_report
+            VLLM_USE_FLASHINFER_SAMPLER=env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+            HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+        )
+        out = cache_root / f"{n}-{side.label}.json"
+        log = Path(args.logs) / f"{side.label}.log" if args.logs else cache_root / f"{side.label}.log"
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", side.label, "--out", str(out)]
+        command += [
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--gpu-mem",
+            str(args.gpu_mem),
+        ]
+        command += ["--quick"] * args.quick + ["--eager"] * args.eager
+        command += ["--requests", str(args.requests)] if args.requests else []
+        raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": state}
+        raw["flashinfer_cache"] = str(flashinfer)
+        raw["cache_before"] = modules_in_cache(flashinfer)
+        limit = args.side_timeout
+        if args.deadline is not None:
+            limit = min(limit, args.deadline - time.time())
+        if limit < MIN_SIDE_S:
+            raw.update(
+                ok=False, returncode=None, error=f"skipped: {max(limit, 0):.0f} s left before the deadline"
+            )
+            results.append(raw)
+            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {raw['error']}", flush=True)
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {side.label}: starting (FlashInfer cache {state})", flush=True)
+        launched = time.time()
+        raw["returncode"] = run_child([*command, "--launched-at", repr(launched)], env, log, limit)
+        if raw["returncode"] is None:
+            raw["error"] = f"no result within {limit:.0f} s"
+        raw["cache_after"] = modules_in_cache(flashinfer)
+        raw["log"] = str(log)
+        if out.exists():
+            raw.update(json.loads(out.read_text()))
+            raw["ok"] = raw["returncode"] == 0
+            problem = check_owners(side, raw["workers_ready"])
+            if problem is not None:
+                raw["ok"], raw["error"] = False, f"not the side it claims to be: {problem}"
+        else:
+            raw["ok"] = False
+            raw.setdefault("error", f"exit status {raw['returncode']}; see {log}")
+        results.append(raw)
+        if args.json:  # raw, before any arithmetic: what ran so far survives a later failure
+            Path(args.json).write_text(json.dumps({**header(args, sides), "sides": results}, indent=1))
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {side.label}: {'done' if raw['ok'] else 'FAILED'}"
+            + (f" ({raw.get('error')})" if not raw["ok"] else ""),
+            flush=True,
+        )
+    return results
+
+
+def header(args: argparse.Namespace, sides: list[Side]) -> dict[str, Any]:
+    from importlib import metadata
+
+    versions = {}
+    for package in ("vllm", "torch", "flashinfer-python", "mla-prefill-ext"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "command": sys.argv,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "sides_asked": [asdict(s) for s in sides],
+        "versions": versions,
+        "python": sys.version.split()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, backend names, NAME-warm")
+    parser.add_argument("--quick", action="store_true", help="a smaller first wave (16 requests, shorter)")
+    parser.add_argument(
+        "--eager", action="store_true", help="enforce_eager: no torch.compile, no CUDA graphs"
+    )
+    parser.add_argument("--requests", type=int, help="first-wave requests (default 64, --quick 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
+    parser.add_argument("--json", help="write the raw results and the table here")
+    parser.add_argument("--logs", help="folder for each side's engine log (default: the cache root)")
+    parser.add_argument("--cache-root", help="folder for the sides' caches (default: a temporary one)")
+    parser.add_argument("--warm-cache", help="FlashInfer cache (a FLASHINFER_WORKSPACE_BASE) for -warm sides")
+    parser.add_argument("--flashinfer-cache", help="one FlashInfer cache for every other side")
+    parser.add_argument(
+        "--keep-host-caches", action="store_true", help="vLLM's and Triton's caches as the host has them"
+    )
+    parser.add_argument("--side-timeout", type=float, default=480.0, help="seconds one side may take")
+    parser.add_argument(
+        "--deadline", type=float, help="epoch seconds: no side runs past it; sides without time are skipped"
+    )
+    parser.add_argument("--child", metavar="SIDE", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child_main(args)
+    try:
+        sides = parse_sides(args.sides, warm_cache_given=bool(args.warm_cache))
+    except ValueError as e:
+        parser.error(str(e))
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    temporary = args.cache_root is None
+    cache_root = Path(tempfile.mkdtemp(prefix="bench-first-request-")) if temporary else Path(args.cache_root)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run_sides(args, sides, cache_root)
+    finally:
+        if temporary and not args.logs:
+            print(f"caches and logs kept in {cache_root} (give --logs to keep only the logs)", flush=True)
+        elif temporary:
+            shutil.rmtree(cache_root, ignore_errors=True)
+    rows = summarize(results)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({**header(args, sides), "sides": results, "table": rows}, indent=1)
+        )
+    print("\n".join(markdown(rows)), flush=True)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
