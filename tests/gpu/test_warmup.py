@@ -23,10 +23,7 @@ STEP = textwrap.dedent(
     import flashinfer.prefill as fi
     from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
     from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
-    try:
-        from mla_prefill_ext.testing.problem import make_problem
-    except ImportError:  # where the problem builder has not moved into the test kit
-        from mla_prefill_ext.problem import make_problem
+    from mla_prefill_ext.testing.problem import make_problem
 
     def misses():
         getters = [getattr(fi, n) for n in dir(fi) if n.startswith("get_") and n.endswith("_module")]
