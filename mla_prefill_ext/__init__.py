@@ -30,7 +30,7 @@ _LAZY = {
     "MLAPrefillBackendEnum": "mla_prefill_ext.registry",
     "register_mla_prefill_backend": "mla_prefill_ext.registry",
     "get_mla_prefill_backend": "mla_prefill_ext.selector",
-    "MLAPrefillSelectorConfig": "mla_prefill_ext.selector",
+    "MLAPrefillSelectorConfig": "mla_prefill_ext.types",
 }
 
 __all__ = [
@@ -48,7 +48,8 @@ __all__ = [
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import AutoSelectClaim, KernelWarmup, MLAPrefillBackend
     from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
-    from mla_prefill_ext.selector import MLAPrefillSelectorConfig, get_mla_prefill_backend
+    from mla_prefill_ext.selector import get_mla_prefill_backend
+    from mla_prefill_ext.types import MLAPrefillSelectorConfig
 
 
 # The add-on's own dependencies come with vLLM: when one is missing, say so plainly.

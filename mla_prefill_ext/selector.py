@@ -18,50 +18,25 @@ falls back to automatic selection, as vLLM 0.20 itself silently did.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_prefill_ext import registry
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.backends.base import R1_MLA_DIMS, AutoSelectClaim
+from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
+from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
+
+# MLAPrefillSelectorConfig, Selection and Choice stay importable from here too (the API names them so).
+from mla_prefill_ext.types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
 
     from mla_prefill_ext.backends.base import MLAPrefillBackend
-
-from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
-
-
-class MLAPrefillSelectorConfig(NamedTuple):
-    """The model facts backend selection depends on, in hashable form."""
-
-    dtype: torch.dtype
-    is_r1_compatible: bool
-
-    @classmethod
-    def from_dims(
-        cls, dtype: torch.dtype, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int
-    ) -> MLAPrefillSelectorConfig:
-        dims = (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        return cls(dtype=dtype, is_r1_compatible=dims == R1_MLA_DIMS)
-
-
-@dataclass
-class Selection:
-    """The outcome of a selection, with why every other candidate was passed over."""
-
-    backend: type[MLAPrefillBackend]
-    name: str
-    source: str
-    capability: DeviceCapability | None
-    config: MLAPrefillSelectorConfig
-    rejected: dict[str, list[str]] = field(default_factory=dict)
 
 
 def is_deepseek_r1_mla_compatible(vllm_config: VllmConfig) -> bool:
@@ -209,7 +184,7 @@ def select(
     for member in mla_prefill_backend_priorities(capability):
         cls, reasons = check_backend(member, capability, config)
         if not reasons and cls is not None:
-            return Selection(cls, member.name, "automatic", capability, config, rejected)
+            return Selection(cls, member.name, AUTOMATIC, capability, config, rejected)
         rejected[member.name] = reasons
     detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
     raise ValueError(
@@ -226,14 +201,14 @@ def _select_cached(
     registry_generation: int = 0,
 ) -> Selection:
     selection = select(capability, config, choice)
-    where = "auto-selected" if selection.source == "automatic" else f"from {selection.source}"
+    where = "auto-selected" if selection.is_automatic else f"from {selection.source}"
     logger.info(
         "Using %s MLA prefill backend (%s; %s).",
         selection.name,
         where,
         _describe(capability, config),
     )
-    if selection.source == "automatic" and MLAPrefillBackendEnum[selection.name].value is None:
+    if selection.is_automatic and MLAPrefillBackendEnum[selection.name].value is None:
         claim = AutoSelectClaim.of(getattr(selection.backend, "auto_select_claim", None))
         logger.info(
             "%s joined automatic selection by its claim (%s; before %s).",
@@ -241,7 +216,7 @@ def _select_cached(
             ", ".join(claim.capabilities) if claim else "?",
             claim.before if claim else "?",
         )
-    if selection.source == "automatic" and selection.name == "TORCH_SDPA" and capability is not None:
+    if selection.is_automatic and selection.name == "TORCH_SDPA" and capability is not None:
         logger.warning(
             "TORCH_SDPA was chosen automatically on a GPU: it is the portable, slow MLA "
             "prefill path. Faster backends were passed over: %s",
@@ -294,6 +269,6 @@ def describe_requested(vllm_config: VllmConfig | None) -> dict[str, Any]:
             requested = choice.name  # unknown: show it as given
     return {
         "requested": requested,
-        "source": choice.source if choice else "automatic",
+        "source": choice.source if choice else AUTOMATIC,
         BACKEND_ENV: os.environ.get(BACKEND_ENV),
     }

@@ -8,14 +8,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
+from mla_prefill_ext.types import R1_MLA_DIMS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
 
-    from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+    from mla_prefill_ext.types import MLAPrefillSelectorConfig
 
-R1_MLA_DIMS = (128, 64, 128)
-"""DeepSeek-R1/V3 MLA dims: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)."""
+__all__ = [
+    "R1_MLA_DIMS",
+    "AutoSelectClaim",
+    "ContextChunk",
+    "MLAPrefillBackend",
+    "context_chunks",
+    "host_query_start_loc",
+]
 
 
 class ContextChunk(NamedTuple):
