@@ -11,19 +11,17 @@ process without further steps.
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import threading
 from collections.abc import Callable
 from enum import Enum, EnumMeta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mla_prefill_ext import settings
 from mla_prefill_ext._logging import logger
+from mla_prefill_ext.settings import OVERRIDES_ENV
 
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend
-
-OVERRIDES_ENV = "MLA_PREFILL_BACKEND_OVERRIDES"
 
 _T = TypeVar("_T", bound=type)
 
@@ -177,11 +175,7 @@ def _abstract_methods(cls: type) -> list[str]:
 
 
 def _mirror_to_environment() -> None:
-    # Children (fork or spawn) inherit os.environ; see the module docstring.
-    if _OVERRIDES:
-        os.environ[OVERRIDES_ENV] = json.dumps(_OVERRIDES, sort_keys=True)
-    else:
-        os.environ.pop(OVERRIDES_ENV, None)
+    settings.mirror_overrides(_OVERRIDES)  # children inherit it; see the module docstring
 
 
 def _add_member(name: str) -> MLAPrefillBackendEnum:
@@ -368,13 +362,11 @@ def register_entry_point(name: str, class_path: str, distribution: str | None) -
 
 def _apply_environment() -> None:
     """Apply registrations mirrored by a parent process (runs at import)."""
-    raw = os.environ.get(OVERRIDES_ENV)
+    raw = settings.overrides_in_environment()
     if not raw:
         return
     try:
-        payload = json.loads(raw)
-        if not isinstance(payload, dict):
-            raise ValueError("not a JSON object")
+        payload = settings.parse_overrides(raw)
     except ValueError as e:
         logger.error(
             "Ignoring %s=%r: it is not a JSON object of {name: class_path} (%s)",

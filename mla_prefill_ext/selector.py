@@ -17,13 +17,12 @@ falls back to automatic selection, as vLLM 0.20 itself silently did.
 
 from __future__ import annotations
 
-import os
 from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mla_prefill_ext import registry
+from mla_prefill_ext import registry, settings
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
@@ -270,5 +269,5 @@ def describe_requested(vllm_config: VllmConfig | None) -> dict[str, Any]:
     return {
         "requested": requested,
         "source": choice.source if choice else AUTOMATIC,
-        BACKEND_ENV: os.environ.get(BACKEND_ENV),
+        BACKEND_ENV: settings.environment()[BACKEND_ENV],
     }

@@ -15,6 +15,8 @@ configuration stamps its settings (:func:`snapshot`) under
 ``additional_config["mla_prefill_ext"]``, so that a process whose own settings
 differ (a node started by hand) refuses at start (:func:`mismatch`).
 
+This module is the only one that names these variables and the configuration keys,
+parses them and writes them; the registry, the selector, the patch and the CLI ask it.
 No vLLM or torch import here: activation and the CLI read this module first.
 """
 
@@ -90,6 +92,36 @@ def is_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in _TRUE
 
 
+def environment() -> dict[str, str | None]:
+    """The raw value of each of the add-on's variables in this process (None: unset)."""
+    return {name: os.environ.get(name) for name in ENV_VARS}
+
+
+def parse_overrides(raw: str) -> dict[Any, Any]:
+    """The registrations a parent process mirrored into :data:`OVERRIDES_ENV`, as given.
+
+    Raises ValueError when ``raw`` is not a JSON object; its entries are checked by the
+    registry, which knows what a usable name is.
+    """
+    payload = json.loads(raw)
+    if not isinstance(payload, dict):
+        raise ValueError("not a JSON object")
+    return payload
+
+
+def overrides_in_environment() -> str | None:
+    """The raw :data:`OVERRIDES_ENV` of this process (None or empty: no registration)."""
+    return os.environ.get(OVERRIDES_ENV)
+
+
+def mirror_overrides(overrides: dict[str, str]) -> None:
+    """Hand the registrations to child processes (fork or spawn inherit ``os.environ``)."""
+    if overrides:
+        os.environ[OVERRIDES_ENV] = json.dumps(overrides, sort_keys=True)
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
+
+
 def snapshot() -> dict[str, Any]:
     """This process's settings, normalised, as the engine configuration carries them."""
     choice = parse_choice(os.environ.get(BACKEND_ENV), BACKEND_ENV)
@@ -114,6 +146,25 @@ def _as_env_value(name: str, value: Any) -> str:
     if name == DISABLE_ENV:
         return "1" if value else "0"
     return str(value)
+
+
+def stamped(additional_config: Any) -> dict[str, Any] | None:
+    """``additional_config`` with this process's settings stamped in; None: leave it as it is.
+
+    Nothing set: nothing that could fail to arrive, and no stamp, so the configuration (and
+    vLLM's compile-cache key, which hashes ``additional_config``) stays what stock vLLM makes.
+    A new dict: the user's own ``additional_config`` object stays as given.
+    """
+    mine = snapshot()
+    if mine == DEFAULT_SNAPSHOT or not isinstance(additional_config, dict):
+        return None
+    return {**additional_config, STAMP_KEY: mine}
+
+
+def engine_mismatch(additional_config: Any) -> str | None:
+    """Why this process's settings differ from those stamped into an engine's configuration."""
+    stamp = additional_config.get(STAMP_KEY) if isinstance(additional_config, dict) else None
+    return mismatch(stamp)
 
 
 def mismatch(stamp: Any) -> str | None:

@@ -28,13 +28,9 @@ def stamp_settings(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     config = wrapped(*args, **kwargs)
     from mla_prefill_ext import settings
 
-    additional = getattr(config, "additional_config", None)
-    snapshot = settings.snapshot()
-    # Nothing set: nothing that could fail to arrive, and no stamp, so the configuration (and
-    # vLLM's compile-cache key, which hashes additional_config) stays what stock vLLM makes.
-    if snapshot != settings.DEFAULT_SNAPSHOT and isinstance(additional, dict):
-        # A new dict: the user's own additional_config object stays as given.
-        config.additional_config = {**additional, settings.STAMP_KEY: snapshot}
+    additional = settings.stamped(getattr(config, "additional_config", None))
+    if additional is not None:
+        config.additional_config = additional
     return config
 
 

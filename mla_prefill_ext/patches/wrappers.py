@@ -271,9 +271,7 @@ def refuse_if_settings_differ(vllm_config: Any) -> None:
     """Fail at start when this process's settings differ from those the engine was created with."""
     from mla_prefill_ext import settings
 
-    additional = getattr(vllm_config, "additional_config", None)
-    stamp = additional.get(settings.STAMP_KEY) if isinstance(additional, dict) else None
-    problem = settings.mismatch(stamp)
+    problem = settings.engine_mismatch(getattr(vllm_config, "additional_config", None))
     if problem is not None:
         raise RuntimeError(f"mla-prefill-ext: {problem}.")
 
