@@ -4,20 +4,18 @@ Precedence, the first that is set wins:
 
 1. ``vllm_config.additional_config["mla_prefill_backend"]``
 2. the environment variable ``MLA_PREFILL_BACKEND`` (a member name, any case)
-3. vLLM 0.20's legacy flags on ``attention_config``
-   (``use_trtllm_ragged_deepseek_prefill`` -> TRTLLM_RAGGED,
-   ``disable_flashinfer_prefill=False`` -> FLASHINFER; ``use_cudnn_prefill`` only
-   warns: cuDNN prefill is gone)
+3. the host's legacy choice, handed in as data (vLLM 0.20's ``attention_config``
+   flags, read by ``patches.legacy_flags``: the selector knows no vLLM version)
 4. automatic, by compute capability (see :func:`mla_prefill_backend_priorities`).
 
 An explicit choice (1 or 2) that cannot serve raises ``ValueError`` with its
-reasons; there is no silent fallback. A legacy flag that cannot serve warns and
+reasons; there is no silent fallback. A legacy choice that cannot serve warns and
 falls back to automatic selection, as vLLM 0.20 itself silently did.
 """
 
 from __future__ import annotations
 
-from functools import cache, lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,32 +108,14 @@ def mla_prefill_backend_priorities(
     return order
 
 
-def requested_choice(vllm_config: VllmConfig | None) -> Choice | None:
-    """The user's choice in force, by precedence; None means automatic."""
+def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = None) -> Choice | None:
+    """The user's choice in force, by precedence; None means automatic.
+
+    ``legacy`` is what the host read from its vLLM's own prefill flags (vLLM 0.20's:
+    ``patches.legacy_flags``); it counts only when the user set nothing.
+    """
     is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
-    if is_set:
-        return choice
-
-    attention_config = getattr(vllm_config, "attention_config", None)
-    if attention_config is None:
-        return None
-    if getattr(attention_config, "use_cudnn_prefill", False):
-        _warn_cudnn_once()
-    if getattr(attention_config, "use_trtllm_ragged_deepseek_prefill", False):
-        return Choice("TRTLLM_RAGGED", "legacy attention_config.use_trtllm_ragged_deepseek_prefill", False)
-    if getattr(attention_config, "disable_flashinfer_prefill", True) is False:
-        return Choice("FLASHINFER", "legacy attention_config.disable_flashinfer_prefill=False", False)
-    return None
-
-
-@lru_cache(maxsize=1)
-def _warn_cudnn_once() -> None:
-    logger.warning(
-        "attention_config.use_cudnn_prefill is deprecated and ignored: the cuDNN MLA "
-        "prefill backend was removed (as in later vLLM). Selecting the MLA prefill "
-        "backend automatically; set %s to choose one.",
-        BACKEND_ENV,
-    )
+    return choice if is_set else legacy
 
 
 def _describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
@@ -234,21 +214,28 @@ def current_device_capability() -> DeviceCapability | None:
         return None
 
 
-def selection_for(vllm_config: VllmConfig) -> Selection:
-    """The cached :class:`Selection` for this configuration on this device."""
+def selection_for(vllm_config: VllmConfig, legacy: Choice | None = None) -> Selection:
+    """The cached :class:`Selection` for this configuration on this device.
+
+    ``legacy``: the choice the host read from its vLLM's legacy flags (see :func:`requested_choice`).
+    """
     from mla_prefill_ext import discovery
 
     discovery.discover()  # installed packages are registrations too: before the cache key is read
     return _select_cached(
         current_device_capability(),
         selector_config_for(vllm_config),
-        requested_choice(vllm_config),
+        requested_choice(vllm_config, legacy),
         registry.generation(),
     )
 
 
 def get_mla_prefill_backend(vllm_config: VllmConfig) -> type[MLAPrefillBackend]:
-    """The MLA prefill backend class for this configuration on this device."""
+    """The MLA prefill backend class for this configuration on this device.
+
+    By the user's settings; vLLM 0.20's legacy flags count where the patch selects
+    (``patches.legacy_flags.backend_for``).
+    """
     return selection_for(vllm_config).backend
 
 
@@ -257,9 +244,9 @@ def clear_cache() -> None:
     _select_cached.cache_clear()
 
 
-def describe_requested(vllm_config: VllmConfig | None) -> dict[str, Any]:
+def describe_requested(vllm_config: VllmConfig | None, legacy: Choice | None = None) -> dict[str, Any]:
     """What the configuration in force asks for (for diagnostics)."""
-    choice = requested_choice(vllm_config)
+    choice = requested_choice(vllm_config, legacy)
     requested = AUTO
     if choice is not None:
         try:

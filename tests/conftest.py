@@ -57,6 +57,7 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
 
     def reset() -> None:
         from mla_prefill_ext import discovery, registry
+        from mla_prefill_ext.patches import legacy_flags
 
         for member in list(MLAPrefillBackendEnum):
             member.clear_override()
@@ -64,7 +65,7 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
         discovery._DISCOVERED = None
         selector._warn_unloadable_once.cache_clear()
         selector.clear_cache()
-        selector._warn_cudnn_once.cache_clear()
+        legacy_flags._warn_cudnn_once.cache_clear()
 
     monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
     monkeypatch.delenv(OVERRIDES_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""Backend selection: precedence, automatic priorities per device, errors, legacy flags, cache."""
+"""Backend selection: precedence, automatic priorities per device, errors, cache."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
+from mla_prefill_ext.patches import legacy_flags
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
 E = MLAPrefillBackendEnum
 ADDITIONAL = "additional_config['mla_prefill_backend']"
-LEGACY_TRTLLM = "legacy attention_config.use_trtllm_ragged_deepseek_prefill"
-LEGACY_FLASHINFER = "legacy attention_config.disable_flashinfer_prefill=False"
+LEGACY_TRTLLM = legacy_flags.TRTLLM_SOURCE
+LEGACY_FLASHINFER = legacy_flags.FLASHINFER_SOURCE
 R1_BF16 = MLAPrefillSelectorConfig(torch.bfloat16, True)
 pytestmark = pytest.mark.usefixtures("clean_selection")
 Records = list[logging.LogRecord]
@@ -190,8 +191,9 @@ def test_precedence(
         clean_selection.setenv(selector.BACKEND_ENV, env)
     cfg = config(r1, additional, **attention)
     with device((10, 0)):  # every built-in can serve R1 bf16 here
-        selection = selector.selection_for(cfg)
-        assert selector.get_mla_prefill_backend(cfg) is E[expected].get_class()
+        # As the patched layer selects: the legacy flags are the 0.20 host's to read.
+        selection = legacy_flags.selection_for(cfg)
+        assert legacy_flags.backend_for(cfg) is E[expected].get_class()
     assert (selection.name, selection.source) == (expected, source)
     assert selection.rejected == {}
 
@@ -280,55 +282,6 @@ def test_automatic_with_nothing_valid_lists_every_backend() -> None:
 def test_automatic_with_nothing_valid_on_cpu() -> None:
     with pytest.raises(ValueError, match=r"no GPU.*TORCH_SDPA: dtype float64 not supported"):
         selector.select(None, MLAPrefillSelectorConfig(torch.float64, True))
-
-
-# Legacy flags
-
-
-def test_legacy_trtllm_flag_when_valid(r1: Path, addon_log: Records) -> None:
-    with device((10, 0)):
-        selection = selector.selection_for(config(r1, use_trtllm_ragged_deepseek_prefill=True))
-    assert selection.backend is TrtllmRaggedPrefillBackend
-    assert selection.source == LEGACY_TRTLLM
-    assert warnings_in(addon_log) == []
-
-
-def test_legacy_trtllm_flag_when_invalid_warns_and_falls_back(r1: Path, addon_log: Records) -> None:
-    with device((9, 0)):
-        selection = selector.selection_for(config(r1, use_trtllm_ragged_deepseek_prefill=True))
-    assert selection.backend is FlashAttnPrefillBackend
-    assert selection.source == "automatic"
-    assert selection.rejected["TRTLLM_RAGGED"] == ["compute capability 9.0 not supported"]
-    (warning,) = warnings_in(addon_log)
-    assert "TRTLLM_RAGGED" in warning
-    assert LEGACY_TRTLLM in warning
-    assert "Falling back to automatic selection" in warning
-
-
-def test_legacy_flashinfer_flag(r1: Path, non_r1: Path, addon_log: Records) -> None:
-    with device((9, 0)):
-        selection = selector.selection_for(config(r1, disable_flashinfer_prefill=False))
-        assert selection.backend is FlashInferPrefillBackend
-        assert selection.source == LEGACY_FLASHINFER
-        assert warnings_in(addon_log) == []
-        fallback = selector.selection_for(config(non_r1, disable_flashinfer_prefill=False))
-    assert fallback.name == "FLASH_ATTN"
-    assert "DeepSeek-R1 MLA dimensions" in fallback.rejected["FLASHINFER"][0]
-    assert any("FLASHINFER" in w and "Falling back" in w for w in warnings_in(addon_log))
-
-
-def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: Records) -> None:
-    selector._warn_cudnn_once.cache_clear()  # another test may have used up the one warning
-    cfg = config(r1, use_cudnn_prefill=True)
-    with device((9, 0)):
-        first = selector.selection_for(cfg)
-        selector.clear_cache()
-        second = selector.selection_for(cfg)
-    assert first.name == second.name == "FLASH_ATTN"
-    assert first.source == "automatic"
-    deprecations = [w for w in warnings_in(addon_log) if "use_cudnn_prefill is deprecated" in w]
-    assert len(deprecations) == 1
-    assert "MLA_PREFILL_BACKEND" in deprecations[0]
 
 
 # Cache

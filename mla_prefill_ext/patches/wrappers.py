@@ -69,15 +69,15 @@ def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, 
     from vllm.config import get_current_vllm_config_or_none
     from vllm.platforms import current_platform
 
+    from mla_prefill_ext.patches.legacy_flags import backend_for
     from mla_prefill_ext.patches.scope import platform_reason
-    from mla_prefill_ext.selector import get_mla_prefill_backend
 
     if platform_reason() is not None and current_explicit_choice() is None:
         return wrapped(*args, **kwargs)
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or not current_platform.is_device_capability_family(100):
         return False
-    return get_mla_prefill_backend(vllm_config).supports_fp8_query
+    return backend_for(vllm_config).supports_fp8_query
 
 
 def _unavailable_flash_attn(*args: Any, **kwargs: Any) -> Any:
@@ -220,7 +220,7 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     from vllm.config import get_current_vllm_config
 
     from mla_prefill_ext import settings
-    from mla_prefill_ext.selector import get_mla_prefill_backend
+    from mla_prefill_ext.patches.legacy_flags import backend_for
 
     vllm_config = get_current_vllm_config()
     refuse_if_settings_differ(vllm_config)
@@ -237,7 +237,7 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
                 settings.BACKEND_ENV,
             )
         return
-    backend_cls = get_mla_prefill_backend(vllm_config)
+    backend_cls = backend_for(vllm_config)
     backend = backend_cls(
         num_heads=layer.num_heads,
         scale=layer.scale,  # the layer's scale is the only scale (YaRN mscale included)
