@@ -7,9 +7,10 @@ choose (it never imports the selector).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,11 @@ class MLADims(NamedTuple):
 
 R1_MLA_DIMS = MLADims(128, 64, 128)
 """DeepSeek-R1/V3 MLA dims: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)."""
+
+
+LayerHyperparametersReader = Callable[[Any], Mapping[str, tuple[float, int, float]]]
+"""Reads {layer name: (sm_scale, window_left, logits_soft_cap)} of a model's MLA layers from its
+vLLM config: what the host hands a backend (``MLAPrefillBackend.accept_layer_hyperparameters``)."""
 
 
 class MLAPrefillSelectorConfig(NamedTuple):

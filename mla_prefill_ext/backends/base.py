@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
 
-    from mla_prefill_ext.types import MLAPrefillSelectorConfig
+    from mla_prefill_ext.types import LayerHyperparametersReader, MLAPrefillSelectorConfig
 
 __all__ = [
     "R1_MLA_DIMS",
@@ -302,6 +302,16 @@ class MLAPrefillBackend(ABC):
             kw["v_head_dim"],
             id(kw["vllm_config"]),
         )
+
+    def accept_layer_hyperparameters(self, read: LayerHyperparametersReader) -> None:
+        """Receive the host's reader of the model's MLA layers (default: not needed).
+
+        The host (the code that knows vLLM's layers) calls it on each layer's backend right
+        after building it. A backend that plans with hyperparameters shared by every layer
+        (FLASHINFER) keeps ``read`` and calls it once the model's layers are all built; a
+        backend never imports the host to find them.
+        """
+        return None
 
     def reserve_workspace(self, device: torch.device) -> None:
         """Allocate what every step needs (kernel workspaces), once.

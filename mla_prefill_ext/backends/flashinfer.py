@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
@@ -18,6 +17,8 @@ from mla_prefill_ext.backends.base import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
+
+    from mla_prefill_ext.types import LayerHyperparametersReader
 
 # FlashInfer's kernels (fa2, fa3 and the SM100 cutlass FMHA alike) return the LSE
 # in base 2; vLLM's merge_attn_states needs natural log.
@@ -58,10 +59,10 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     The global hyperparameters (softmax scale, window, soft cap) are resolved on the
     first ``prepare_metadata`` (not at construction, when the model's layers are not
     all built yet), then cached, from every MLA layer of the model as
-    :attr:`read_layer_hyperparameters` reads them: the patch hands that reader in when
-    a layer builds its backend (it is the code that knows vLLM's layers), and
-    :meth:`clone` passes it on. Without one (the backend on its own) it plans with its
-    own values. Layers that disagree are an error naming them.
+    :attr:`read_layer_hyperparameters` reads them: the host hands that reader in when
+    a layer builds its backend (:meth:`accept_layer_hyperparameters`; the host is the
+    code that knows vLLM's layers), and :meth:`clone` passes it on. Without one (the
+    backend on its own) it plans with its own values. Layers that disagree are an error naming them.
     """
 
     requires_r1_mla_dimensions: ClassVar[bool] = True
@@ -122,12 +123,13 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
         self._global_hyperparameters: GlobalHyperparameters | None = None
         # {layer name: (sm_scale, window_left, logits_soft_cap)} of the model's MLA layers, for a
         # vLLM config; called once, at the first plan.
-        self.read_layer_hyperparameters: (
-            Callable[[VllmConfig | None], Mapping[str, tuple[float, int, float]]] | None
-        ) = None
+        self.read_layer_hyperparameters: LayerHyperparametersReader | None = None
         self._workspace: torch.Tensor | None = None
         self._main: Any = None
         self._chunks: list[Any] = []
+
+    def accept_layer_hyperparameters(self, read: LayerHyperparametersReader) -> None:
+        self.read_layer_hyperparameters = read
 
     def clone(self) -> FlashInferPrefillBackend:
         twin = cast(FlashInferPrefillBackend, super().clone())

@@ -220,6 +220,7 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     from vllm.config import get_current_vllm_config
 
     from mla_prefill_ext import settings
+    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
     from mla_prefill_ext.patches.legacy_flags import backend_for
 
     vllm_config = get_current_vllm_config()
@@ -247,24 +248,11 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         v_head_dim=layer.v_head_dim,
         vllm_config=vllm_config,
     )
-    hand_layer_hyperparameters(backend)
+    backend.accept_layer_hyperparameters(mla_layer_hyperparameters)  # read at FLASHINFER's first plan
     layer.prefill_backend = backend
     if impl is not None and hasattr(impl, "_run_prefill_new_tokens"):
         impl.prefill_backend = layer.prefill_backend
     logger.debug("MLA layer %s owns %r", getattr(layer, "layer_name", "?"), layer.prefill_backend)
-
-
-def hand_layer_hyperparameters(backend: Any) -> None:
-    """FLASHINFER plans one (sm_scale, window_left, logits_soft_cap) for every MLA layer.
-
-    It gets the reader of vLLM's layers from here (backends never import the patch);
-    the reader runs at its first plan, when the model's layers are all built.
-    """
-    from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
-    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
-
-    if isinstance(backend, FlashInferPrefillBackend):
-        backend.read_layer_hyperparameters = mla_layer_hyperparameters
 
 
 def refuse_if_settings_differ(vllm_config: Any) -> None:
