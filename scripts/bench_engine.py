@@ -69,7 +69,10 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         if hasattr(module, "prefill_backend") and type(module).__name__ == "MLAAttention":
             backend = module.prefill_backend
             owners.add(backend.get_name() if backend is not None else "vLLM's own")
-    patches = _sys.modules.get("mla_prefill_ext.patches.instrumentor")
+    # The MLA patch set's module (patches.instrumentor in trees before the patch-set base class).
+    patches = _sys.modules.get("mla_prefill_ext.patches.mla") or _sys.modules.get(
+        "mla_prefill_ext.patches.instrumentor"
+    )
     package = _sys.modules.get("mla_prefill_ext")
     return {
         "owners": sorted(owners),

@@ -439,7 +439,8 @@ def addon_block(
     """
     from time import perf_counter_ns
 
-    from mla_prefill_ext.patches import MLA_MODULE, wrappers
+    from mla_prefill_ext.patches import MLA_MODULE
+    from mla_prefill_ext.patches.hooks import builder as wrappers
 
     stock_build = vars(sys.modules[MLA_MODULE].MLACommonMetadataBuilder)["build"].__wrapped__  # vLLM's own
     inner: list[int] = []

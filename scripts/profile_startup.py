@@ -40,17 +40,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 MARK = "--- after vllm ---"
+# Activation's post-import hook: one for every patch set, or (trees before patches.PATCH_SETS) the MLA one.
+HOOK = 'hook = "_on_imported" if hasattr(a, "_on_imported") else "_on_mla_module_imported"'
 
 TIMED = f"""
 import sys, time, vllm
 t = time.perf_counter()
 import mla_prefill_ext
 from mla_prefill_ext import activation as a
-inner = a._on_mla_module_imported
+{HOOK}
+inner = getattr(a, hook)
 spent = []
 def timed(m):
-    s = time.perf_counter(); inner(m); spent.append(time.perf_counter() - s)
-a._on_mla_module_imported = timed
+    s = time.perf_counter(); inner(m)
+    if m.__name__ == {MLA_MODULE!r}: spent.append(time.perf_counter() - s)
+setattr(a, hook, timed)
 mla_prefill_ext.activate()
 act = time.perf_counter() - t
 print({MARK!r}, file=sys.stderr, flush=True)
@@ -65,11 +69,12 @@ HOOK_PROFILE = f"""
 import cProfile, io, pstats, vllm
 import mla_prefill_ext
 from mla_prefill_ext import activation as a
-inner = a._on_mla_module_imported
+{HOOK}
+inner = getattr(a, hook)
 prof = cProfile.Profile()
 def profiled(m):
     prof.enable(); inner(m); prof.disable()
-a._on_mla_module_imported = profiled
+setattr(a, hook, profiled)
 prof.enable(); mla_prefill_ext.activate(); prof.disable()
 import importlib; importlib.import_module({MLA_MODULE!r})
 out = io.StringIO()

@@ -229,12 +229,13 @@ def test_patch_modules_load_only_with_the_mla_module():
     assert "PATCHED True True" in out
 
 
-def test_lazy_patch_names_are_the_instrumentors_api():
-    from mla_prefill_ext.patches import instrumentor
-
-    assert patches._FROM_INSTRUMENTOR == set(instrumentor.__all__)
+def test_lazy_patch_names_resolve():
     for name in patches.__all__:
         assert getattr(patches, name) is not None
+    assert patches.instrument == patches.mla.INSTRUMENTOR.instrument
+    assert patches.version.SUPPORTED_VLLM == patches.SUPPORTED_VLLM  # submodules load by name too
+    with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
+        patches.no_such_module  # noqa: B018
 
 
 def test_activation_after_the_module_was_imported():

@@ -52,7 +52,7 @@ def make_builder(cfg: Any, layers: list[Any], capability: tuple[int, int] | None
     ],
 )
 def test_one_parser_for_every_caller(clean_selection, additional, env, expected):
-    from mla_prefill_ext.patches import instrumentor
+    from mla_prefill_ext.patches import mla
     from mla_prefill_ext.selector import requested_choice
 
     if env is not None:
@@ -63,7 +63,7 @@ def test_one_parser_for_every_caller(clean_selection, additional, env, expected)
     assert requested_choice(config) == choice
     # The guard of an unpatchable vLLM refuses exactly what the selector would honour.
     with mock.patch("vllm.config.get_current_vllm_config_or_none", return_value=config):
-        assert (instrumentor._explicit_choice() is not None) == (choice is not None)
+        assert (mla._explicit_choice() is not None) == (choice is not None)
 
 
 def test_a_choice_that_is_not_a_string_is_named():
@@ -129,7 +129,8 @@ def test_the_disable_switch_reaches_ray_workers_too():
 def test_engine_config_carries_the_settings_to_every_process(clean_selection, model_dirs):
     from vllm.engine.arg_utils import EngineArgs
 
-    from mla_prefill_ext.patches import engine_config, wrappers
+    from mla_prefill_ext.patches import engine_config
+    from mla_prefill_ext.patches.hooks import layer
 
     activation.activate()
     assert engine_config.is_instrumented()
@@ -155,11 +156,11 @@ def test_engine_config_carries_the_settings_to_every_process(clean_selection, mo
     stamp = cfg.additional_config[settings.STAMP_KEY]
     assert stamp[settings.BACKEND_ENV] == "FLASHINFER" and stamp[settings.DISABLE_ENV] is False
     shipped = pickle.loads(pickle.dumps(cfg))  # as vLLM ships it to engine cores and workers
-    wrappers.refuse_if_settings_differ(shipped)  # same settings here: fine
+    layer.refuse_if_settings_differ(shipped)  # same settings here: fine
     # A worker on a node started without the variable:
     clean_selection.delenv(settings.BACKEND_ENV)
     with pytest.raises(RuntimeError) as e:
-        wrappers.refuse_if_settings_differ(shipped)
+        layer.refuse_if_settings_differ(shipped)
     message = str(e.value)
     assert "MLA_PREFILL_BACKEND='AUTO'" in message  # what it has
     assert "Set MLA_PREFILL_BACKEND='FLASHINFER'" in message  # what to set there
@@ -243,9 +244,9 @@ def test_stock_prefill_stays_on_other_platforms(
 ):
     import logging
 
-    from mla_prefill_ext.patches import wrappers
+    from mla_prefill_ext.patches.hooks import layer
 
-    monkeypatch.setattr(wrappers, "_LOGGED_STOCK_REASONS", set())
+    monkeypatch.setattr(layer, "_LOGGED_STOCK_REASONS", set())
     addon_logger = logging.getLogger("vllm.mla_prefill_ext")
     level = addon_logger.level
     addon_logger.setLevel(logging.INFO)  # the line is INFO; these tests run vLLM at WARNING

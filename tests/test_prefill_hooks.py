@@ -14,7 +14,7 @@ import host
 import pytest
 import torch
 
-from mla_prefill_ext.patches.wrappers import bind_impl_to_backend
+from mla_prefill_ext.patches.hooks.dispatch import bind_impl_to_backend
 
 HEADS, QK, V = 4, 192, 128
 

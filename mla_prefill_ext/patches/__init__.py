@@ -1,46 +1,70 @@
-"""The vLLM 0.20.x patch: the only code that knows vLLM's MLA internals.
+"""The vLLM 0.20.x host: the only code that knows vLLM's internals.
 
-``instrumentor`` applies and removes it (:func:`instrument` / :func:`uninstrument`,
-symmetric and idempotent, all or none), ``targets`` names and checks what it
-wraps, ``wrappers`` holds the wrappers, ``layers`` reads vLLM's MLA layers,
-``version`` declares the vLLM versions it supports.
+Two patch sets, each one :class:`~.instrumentor.Instrumentor` (symmetric, idempotent,
+all or none), listed once in :data:`PATCH_SETS` with the vLLM module each patches:
+``mla`` (the MLA layer, impl and metadata builder, through ``hooks/``) and
+``engine_config`` (the settings stamped into the engine configuration). Beside them:
+``version`` (the vLLM versions supported), ``targets`` (what the MLA patch wraps and the
+shape each must have), ``scope`` (where the add-on takes over), ``legacy_flags`` (vLLM
+0.20's own prefill flags, read as a choice for the selector), ``layers`` (reading vLLM's
+MLA layers).
 
-Only ``layers`` (for :data:`MLA_MODULE`) loads with the package: activation needs
-no more, so a vLLM process that never imports the MLA module (an API server, a
-model without MLA) never loads the rest. The names below load on first use.
+Only ``layers`` (for :data:`MLA_MODULE`) loads with the package: activation needs no
+more, so a vLLM process that never imports the MLA module (an API server, a model
+without MLA) never loads the rest. The names below load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mla_prefill_ext.patches.layers import MLA_MODULE
 
-_FROM_INSTRUMENTOR = frozenset(
-    {
-        "SUPPORTED_VLLM",
-        "PatchState",
-        "instrument",
-        "is_instrumented",
-        "refuse_if_explicit",
-        "skip",
-        "state",
-        "uninstrument",
-    }
-)
-_SUBMODULES = frozenset({"instrumentor", "layers", "targets", "version", "wrappers"})
+if TYPE_CHECKING:
+    from mla_prefill_ext.patches.instrumentor import Instrumentor
 
-__all__ = ["MLA_MODULE", *sorted(_FROM_INSTRUMENTOR)]
+ARG_UTILS_MODULE = "vllm.engine.arg_utils"
+
+PATCH_SETS: dict[str, str] = {
+    # vLLM module -> the patch set's module (its INSTRUMENTOR), in the order activation applies them.
+    ARG_UTILS_MODULE: f"{__name__}.engine_config",
+    MLA_MODULE: f"{__name__}.mla",
+}
+
+# name -> the submodule that defines it: the MLA patch set's API, loaded on first use.
+_LAZY = {
+    "SUPPORTED_VLLM": "version",
+    "PatchState": "instrumentor",
+    "instrument": "mla",
+    "is_instrumented": "mla",
+    "refuse_if_explicit": "mla",
+    "skip": "mla",
+    "state": "mla",
+    "uninstrument": "mla",
+}
+
+__all__ = ["ARG_UTILS_MODULE", "MLA_MODULE", "PATCH_SETS", "instrumentor_for", *sorted(_LAZY)]
+
+
+def instrumentor_for(module_name: str) -> Instrumentor:
+    """The patch set that patches the vLLM module ``module_name`` (loads it)."""
+    return importlib.import_module(PATCH_SETS[module_name]).INSTRUMENTOR
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_INSTRUMENTOR:
-        return getattr(importlib.import_module(f"{__name__}.instrumentor"), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule: patches.version, ...
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_FROM_INSTRUMENTOR, *_SUBMODULES})
+    return sorted({*globals(), *_LAZY})

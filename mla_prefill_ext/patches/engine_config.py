@@ -1,27 +1,23 @@
-"""Stamp the user's settings into the engine configuration where it is created.
+"""The engine-config patch set: stamp the user's settings into the engine configuration where it is created.
 
 vLLM ships its ``VllmConfig`` to every engine process and worker, on every node.
 The process that creates it (``EngineArgs.create_engine_config``: the user's
 process, ``vllm serve``'s front end) records its add-on settings, when any is set,
-under ``additional_config["mla_prefill_ext"]``, as vLLM itself records other keys there.
-A process that builds MLA layers compares its own settings with the stamp
-(``wrappers.refuse_if_settings_differ``) and refuses at start when they differ:
-the settings did not reach it, and running would silently ignore the user's choice.
+under ``additional_config["mla_prefill_ext"]`` (``settings.stamped``), as vLLM itself
+records other keys there. A process that builds MLA layers compares its own settings
+with the stamp (``hooks.layer.refuse_if_settings_differ``) and refuses at start when
+they differ: the settings did not reach it, and running would silently ignore the
+user's choice.
 """
 
 from __future__ import annotations
 
-import threading
 from types import ModuleType
 from typing import Any
 
-import wrapt
+from mla_prefill_ext.patches.instrumentor import Instrumentor
 
-ARG_UTILS_MODULE = "vllm.engine.arg_utils"
 TARGET = "EngineArgs.create_engine_config"
-
-_LOCK = threading.Lock()
-_handle: Any = None
 
 
 def stamp_settings(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -34,26 +30,14 @@ def stamp_settings(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     return config
 
 
-def instrument(module: ModuleType) -> bool:
-    """Wrap ``EngineArgs.create_engine_config`` (idempotent). False when it is not there."""
-    global _handle
-    with _LOCK:
-        if _handle is not None:
-            return True
-        try:
-            _handle = wrapt.wrap_function_wrapper(module, TARGET, stamp_settings)
-        except (AttributeError, wrapt.PathResolutionError):
-            return False
-        return True
+class EngineConfigInstrumentor(Instrumentor):
+    """Wraps ``EngineArgs.create_engine_config``; where it cannot, vLLM runs without the stamp."""
+
+    def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
+        return [(TARGET, stamp_settings)]
 
 
-def uninstrument(module: ModuleType) -> None:
-    global _handle
-    with _LOCK:
-        if _handle is not None:
-            wrapt.unwrap_object(module, TARGET, _handle, missing_ok=True)
-            _handle = None
-
-
-def is_instrumented() -> bool:
-    return _handle is not None
+INSTRUMENTOR = EngineConfigInstrumentor()
+instrument = INSTRUMENTOR.instrument
+uninstrument = INSTRUMENTOR.uninstrument
+is_instrumented = INSTRUMENTOR.is_instrumented

@@ -77,3 +77,16 @@ def stock_reason(impl: Any, common_impl: type, explicit: bool) -> str | None:
     if method is not None:
         return f"{type(impl).__name__} brings its own prefill kernel ({method})"
     return None
+
+
+def current_explicit_choice() -> Any:
+    """The user's explicit choice for the engine configuration being built here (or None)."""
+    from mla_prefill_ext import settings
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except ImportError:
+        config = None
+    return settings.explicit_choice(getattr(config, "additional_config", None))

@@ -1,0 +1,128 @@
+"""The MLA patch set: vLLM 0.20's MLA layer, impl and metadata builder run the selected backend.
+
+Patching is all or none (:class:`~mla_prefill_ext.patches.instrumentor.Instrumentor`):
+on an unsupported vLLM, or when any target is missing or shaped differently, nothing
+is wrapped, one line says why, and vLLM runs as stock. When the user explicitly chose a
+backend and the patch cannot honour it, :func:`instrument` raises instead, so that the
+engine fails at start with the reason rather than ignoring the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from mla_prefill_ext._logging import logger
+from mla_prefill_ext.patches.hooks import builder, dispatch, layer
+from mla_prefill_ext.patches.instrumentor import Instrumentor
+from mla_prefill_ext.patches.layers import MLA_MODULE
+from mla_prefill_ext.patches.scope import current_explicit_choice
+from mla_prefill_ext.patches.targets import PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION, inspect_targets
+from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+
+LAYER_INIT = "MLAAttention.__init__"
+
+
+def _explicit_choice() -> str | None:
+    """The user's explicit backend choice visible in this process, if any."""
+    choice = current_explicit_choice()
+    return f"{choice.source}={choice.name}" if choice else None
+
+
+def refuse_if_explicit(reason: str) -> None:
+    """Raise when the user explicitly chose a backend that cannot be honoured."""
+    choice = _explicit_choice()
+    if choice:
+        raise RuntimeError(
+            f"mla-prefill-ext cannot honour {choice}: {reason}. Unset it to run vLLM's "
+            "stock MLA prefill, or install a supported vLLM "
+            f"(vllm{SUPPORTED_VLLM})."
+        )
+
+
+class MLAInstrumentor(Instrumentor):
+    """Wraps vLLM's MLA module; where it cannot, guards the layer against an explicit choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._log_filter = dispatch.StalePrefillLogFilter()
+
+    def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
+        table: list[tuple[str, Any]] = [
+            (LAYER_INIT, layer.layer_init),
+            ("MLACommonImpl.__init__", layer.make_impl_init_wrapper(module)),
+            ("MLACommonMetadataBuilder.__init__", builder.builder_init),
+            ("MLACommonMetadataBuilder.build", builder.builder_build),
+            (QUERY_QUANT_FUNCTION, dispatch.supports_prefill_query_quantization),
+        ]
+        table += [(name, dispatch.prefill_is_ours) for name in PREFILL_CHOICE_FUNCTIONS]
+        return table
+
+    def check(self, module: ModuleType) -> str | None:
+        reason = super().check(module)
+        state = self._state
+        state.targets = inspect_targets(module)
+        if reason is None:
+            bad = [f"{t.path} {t.problem}" for t in state.targets if not t.ok]
+            if bad:
+                reason = "patch targets changed in vLLM " + str(state.vllm_version) + ": " + "; ".join(bad)
+        return reason
+
+    def skip(self, reason: str, module: ModuleType | None = None) -> None:
+        """Leave vLLM stock: say why once, and refuse an explicit choice.
+
+        An environment choice is refused at once. A choice in ``additional_config`` is
+        only visible once an engine's configuration is current, so when the MLA module is
+        at hand a guard on ``MLAAttention.__init__`` refuses it as the first MLA layer is
+        built, and otherwise lets vLLM run untouched.
+        """
+        state = self._state
+        with self._lock:
+            if reason != state.skipped_reason and _explicit_choice() is None:
+                logger.warning(
+                    "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
+                    reason,
+                )
+            state.skipped_reason = reason
+            if module is not None and state.guard is None:
+                try:
+                    state.guard = wrapt.wrap_function_wrapper(
+                        module, LAYER_INIT, layer.make_explicit_choice_guard(reason, refuse_if_explicit)
+                    )
+                except (AttributeError, wrapt.PathResolutionError):
+                    pass  # no MLA layer class at all: nothing can ask for a prefill backend
+        refuse_if_explicit(reason)
+
+    def on_instrumented(self, module: ModuleType) -> None:
+        logging.getLogger(MLA_MODULE).addFilter(self._log_filter)
+        logger.debug("mla-prefill-ext patched %s", ", ".join(p for p, _ in self._state.handles))
+
+    def uninstrument(self, module: ModuleType) -> None:
+        """Remove every wrapper the patch (or its guard) installed; a no-op when none is.
+
+        Layers built while the patch was in place keep their backend.
+        """
+        with self._lock:
+            if self._state.guard is not None:
+                wrapt.unwrap_object(module, LAYER_INIT, self._state.guard, missing_ok=True)
+                self._state.guard = None
+            super().uninstrument(module)
+
+    def on_uninstrumented(self, module: ModuleType) -> None:
+        for name in (*PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION):
+            cache_clear = getattr(getattr(module, name, None), "cache_clear", None)
+            if cache_clear is not None:
+                cache_clear()  # answers cached by the stock functions must not leak across
+        logging.getLogger(MLA_MODULE).removeFilter(self._log_filter)
+
+
+INSTRUMENTOR = MLAInstrumentor()
+# The patch set's API, as the package re-exports it (patches.instrument(...), ...).
+instrument = INSTRUMENTOR.instrument
+uninstrument = INSTRUMENTOR.uninstrument
+is_instrumented = INSTRUMENTOR.is_instrumented
+state = INSTRUMENTOR.state
+skip = INSTRUMENTOR.skip
