@@ -1,8 +1,9 @@
-"""Backend packages: entry-point discovery, precedence, broken entries, automatic-selection claims.
+"""Backend packages: calls win over entry points, broken entries, automatic-selection claims.
 
 The packages here are real installed distributions as importlib.metadata sees them: a
 ``*.dist-info`` folder with an ``entry_points.txt`` on ``sys.path`` (what pip writes),
 next to the backend's module. tests/test_conformance.py pip-installs the example package.
+Discovery itself (what is read, once, and registered) is tests/test_discovery.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from vllm.platforms.interface import DeviceCapability
 
-from mla_prefill_ext import discovery, registry, selector
+from mla_prefill_ext import discovery, selector
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
@@ -60,22 +61,6 @@ def fake_backend(name: str, claim: str = "None") -> str:
     return BACKEND_MODULE.format(cls=f"{name.title().replace('_', '')}Backend", name=name, claim=claim)
 
 
-def test_an_installed_package_is_registered_lazily(site):
-    install(
-        site,
-        "fakepkg-one",
-        {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
-        {"fakepkg_one": fake_backend("FAKE_ONE")},
-    )
-    (status,) = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_ONE"]
-    assert status.problem is None and status.distribution == "fakepkg-one"
-    assert "fakepkg_one" not in sys.modules  # metadata only, until selected or inspected
-    member = MLAPrefillBackendEnum["FAKE_ONE"]
-    assert member.source() == "entry point of package fakepkg-one"
-    assert member.get_class().get_name() == "FAKE_ONE"
-    assert "fakepkg_one" in sys.modules
-
-
 def test_registration_by_call_wins_over_an_entry_point(site):
     install(
         site,
@@ -90,13 +75,6 @@ def test_registration_by_call_wins_over_an_entry_point(site):
     assert member.source() == "registered by call"
     member.clear_override()
     assert member.get_path() == "fakepkg_two.FakeTwoBackend"  # the package again
-
-
-def test_an_entry_point_cannot_replace_a_builtin(site):
-    install(site, "fakepkg-evil", {"FLASH_ATTN": "fakepkg_evil:Evil"})
-    (status,) = [s for s in discovery.discover(refresh=True) if s.distribution == "fakepkg-evil"]
-    assert "cannot replace the built-in FLASH_ATTN" in status.problem
-    assert MLAPrefillBackendEnum.FLASH_ATTN.get_path().startswith("mla_prefill_ext.backends.")
 
 
 def test_broken_entry_points_are_reported_and_never_break_selection(site, addon_log):
@@ -213,40 +191,6 @@ def test_a_spawned_process_selects_the_installed_package_by_its_claim(site):
         "name": "FAKE_CLAIM",
         "module": "fakepkg_claim",
     }
-
-
-def test_entry_points_are_not_mirrored_to_child_environments(site):
-    import os
-
-    install(
-        site,
-        "fakepkg-one",
-        {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
-        {"fakepkg_one": fake_backend("FAKE_ONE")},
-    )
-    discovery.discover(refresh=True)
-    assert "FAKE_ONE" not in os.environ.get(registry.OVERRIDES_ENV, "")
-
-
-def test_two_packages_claiming_one_name_register_neither(site):
-    install(site, "fakepkg-a", {"FAKE_DUP": "fakepkg_a:A"})
-    install(site, "fakepkg-b", {"FAKE_DUP": "fakepkg_b:B"})
-    statuses = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_DUP"]
-    assert len(statuses) == 2 and all("declared by several packages" in s.problem for s in statuses)
-    assert "FAKE_DUP" not in MLAPrefillBackendEnum.__members__ or not registry._ENTRY_POINTS.get("FAKE_DUP")
-
-
-def test_the_first_copy_of_a_package_on_sys_path_wins(site, tmp_path_factory, clean_selection):
-    later = tmp_path_factory.mktemp("later-site")
-    install(site, "fakepkg-one", {"FAKE_ONE": "fakepkg_one:FakeOneBackend"})
-    install(later, "fakepkg-one", {"FAKE_ONE": "fakepkg_one_old:Old"})
-    clean_selection.syspath_prepend(str(site))  # site before later
-    sys.path.append(str(later))
-    try:
-        (status,) = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_ONE"]
-    finally:
-        sys.path.remove(str(later))
-    assert status.problem is None and status.class_path == "fakepkg_one.FakeOneBackend"
 
 
 def test_a_malformed_claim_leaves_the_backend_out_of_automatic_selection(site, addon_log):

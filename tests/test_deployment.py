@@ -5,13 +5,13 @@ All with vLLM 0.20.2's real objects on CPU (see tests/host.py for the device fac
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 from unittest import mock
 
 import host
 import pytest
 import torch
+from test_scope import PLATFORMS, platform_view
 
 from mla_prefill_ext import activation, settings
 
@@ -33,42 +33,6 @@ def make_builder(cfg: Any, layers: list[Any], capability: tuple[int, int] | None
         return builder_cls(
             layers[0].get_kv_cache_spec(cfg), [layer.layer_name for layer in layers], cfg, torch.device("cpu")
         )
-
-
-# --- One parser of the user's choice -------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("additional", "env", "expected"),
-    [
-        ({}, None, (False, None)),
-        ({"mla_prefill_backend": None}, None, (False, None)),  # None: not set
-        ({"mla_prefill_backend": ""}, "flashinfer", (True, "flashinfer")),  # blank: not set
-        ({"mla_prefill_backend": "  "}, None, (False, None)),
-        ({"mla_prefill_backend": "auto"}, "FLASHINFER", (True, None)),  # auto is set: automatic
-        ({"mla_prefill_backend": "FLASH_ATTN"}, "FLASHINFER", (True, "FLASH_ATTN")),
-        ({}, "Auto", (True, None)),
-        ({}, " torch_sdpa ", (True, "torch_sdpa")),
-    ],
-)
-def test_one_parser_for_every_caller(clean_selection, additional, env, expected):
-    from mla_prefill_ext.patches import mla
-    from mla_prefill_ext.selector import requested_choice
-
-    if env is not None:
-        clean_selection.setenv(settings.BACKEND_ENV, env)
-    is_set, choice = settings.user_setting(additional)
-    assert (is_set, choice.name if choice else None) == expected
-    config = mock.Mock(additional_config=additional, attention_config=None)
-    assert requested_choice(config) == choice
-    # The guard of an unpatchable vLLM refuses exactly what the selector would honour.
-    with mock.patch("vllm.config.get_current_vllm_config_or_none", return_value=config):
-        assert (mla._explicit_choice() is not None) == (choice is not None)
-
-
-def test_a_choice_that_is_not_a_string_is_named():
-    with pytest.raises(TypeError, match=r"additional_config\['mla_prefill_backend'\].*int 3"):
-        settings.user_setting({"mla_prefill_backend": 3})
 
 
 # --- Settings reach Ray workers through vLLM's own copy list -------------------------------------
@@ -94,17 +58,6 @@ def test_vllm_copies_every_setting_to_ray_workers(clean_selection):
     assert "custom_backends.CountingBackend" in sent[settings.OVERRIDES_ENV]
 
 
-def test_copy_list_is_extended_once_and_keeps_the_users_entries(clean_selection):
-    clean_selection.setenv(settings.RAY_COPY_LIST_ENV, "MY_VAR")
-    activation.activate()
-    activation.activate()
-    import os
-
-    listed = os.environ[settings.RAY_COPY_LIST_ENV].split(",")
-    assert listed[0] == "MY_VAR"
-    assert sorted(listed[1:]) == sorted(settings.ENV_VARS)
-
-
 def test_the_disable_switch_reaches_ray_workers_too():
     """Disabled in the driver: the add-on does nothing there, but vLLM still copies the switch."""
     from test_activation import run_python
@@ -123,48 +76,7 @@ def test_the_disable_switch_reaches_ray_workers_too():
     assert "ACTIVE False" in result.stdout and "COPIED True" in result.stdout
 
 
-# --- The engine configuration carries a stamp; a process whose settings differ refuses -----------
-
-
-def test_engine_config_carries_the_settings_to_every_process(clean_selection, model_dirs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    from mla_prefill_ext.patches import engine_config
-    from mla_prefill_ext.patches.hooks import layer
-
-    activation.activate()
-    assert engine_config.is_instrumented()
-    from vllm.platforms import current_platform
-
-    def create(additional: dict) -> Any:
-        args = EngineArgs(
-            model=str(model_dirs["plain"]),
-            skip_tokenizer_init=True,
-            max_model_len=2048,
-            additional_config=additional,
-        )
-        # The unspecified platform has no device type either: one more device fact to supply.
-        with host.gpu_view((9, 0)), mock.patch.object(type(current_platform), "device_type", "cpu"):
-            return args.create_engine_config()
-
-    # Nothing set: no stamp, so the configuration (and vLLM's compile-cache key) is stock's.
-    assert settings.STAMP_KEY not in create({}).additional_config
-    clean_selection.setenv(settings.BACKEND_ENV, "flashinfer")
-    user_additional = {"other": 1}
-    cfg = create(user_additional)
-    assert user_additional == {"other": 1}  # the user's own dict is left as given
-    stamp = cfg.additional_config[settings.STAMP_KEY]
-    assert stamp[settings.BACKEND_ENV] == "FLASHINFER" and stamp[settings.DISABLE_ENV] is False
-    shipped = pickle.loads(pickle.dumps(cfg))  # as vLLM ships it to engine cores and workers
-    layer.refuse_if_settings_differ(shipped)  # same settings here: fine
-    # A worker on a node started without the variable:
-    clean_selection.delenv(settings.BACKEND_ENV)
-    with pytest.raises(RuntimeError) as e:
-        layer.refuse_if_settings_differ(shipped)
-    message = str(e.value)
-    assert "MLA_PREFILL_BACKEND='AUTO'" in message  # what it has
-    assert "Set MLA_PREFILL_BACKEND='FLASHINFER'" in message  # what to set there
-    assert "host " in message and "pid " in message
+# --- A process whose settings differ from the engine's stamp refuses (tests/test_engine_config.py) --
 
 
 def test_layer_build_refuses_when_settings_did_not_arrive(shim, clean_selection, model_dirs):
@@ -176,60 +88,7 @@ def test_layer_build_refuses_when_settings_did_not_arrive(shim, clean_selection,
         build_layer(cfg, (9, 0))
 
 
-# --- Where the add-on takes over, and where vLLM keeps its own prefill ---------------------------
-
-
-def test_impl_classes_with_their_own_prefill_are_recognised():
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
-    from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLAImpl
-    from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
-    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
-
-    from mla_prefill_ext.patches.scope import own_prefill_method
-
-    assert own_prefill_method(FlashAttnMLAImpl, MLACommonImpl) is None
-    assert own_prefill_method(TritonMLAImpl, MLACommonImpl) is None  # its override calls vLLM's own
-    assert own_prefill_method(AiterMLAImpl, MLACommonImpl) == "AiterMLAImpl._flash_attn_varlen_diff_headdims"
-
-
-PLATFORMS = {
-    # name: (is_* flags, device capability)
-    "cuda-h200": ({"is_cuda": True}, (9, 0)),
-    "rocm-mi300": ({"is_rocm": True}, (9, 4)),
-    "xpu": ({"is_xpu": True}, None),
-}
-
-
-def platform_view(name: str):
-    from vllm.platforms import current_platform
-
-    flags, _ = PLATFORMS[name]
-    cls = type(current_platform)
-    patches = [mock.patch.object(cls, "is_unspecified", lambda self: False)]
-    patches += [mock.patch.object(cls, flag, lambda self: True) for flag in flags]
-    return patches
-
-
-def decision(name: str, explicit: bool) -> str | None:
-    from mla_prefill_ext.patches.scope import platform_reason
-
-    stack = platform_view(name)
-    for p in stack:
-        p.start()
-    try:
-        return None if explicit else platform_reason()
-    finally:
-        for p in reversed(stack):
-            p.stop()
-
-
-@pytest.mark.parametrize(("name", "served"), [("cuda-h200", True), ("rocm-mi300", False), ("xpu", False)])
-def test_platform_decision(name, served):
-    reason = decision(name, explicit=False)
-    assert (reason is None) == served, reason
-    if not served:
-        assert "has its own MLA prefill kernels" in reason
-    assert decision(name, explicit=True) is None  # an explicit choice is honoured where it can serve
+# --- Where vLLM keeps its own prefill, layer by layer (the decisions: tests/test_scope.py) ---------
 
 
 @pytest.fixture
