@@ -1,20 +1,30 @@
-"""Dependency direction: backends never import the patch (``mla_prefill_ext.patches``).
+"""Dependency direction: who may import whom inside the package, checked statically (ast).
 
-The patch is the only code that knows vLLM's internals and depends on the backends; a backend
-that reached back into it would tie every backend to vLLM's layer internals (and to import
-order). Checked statically over the source files, so an import inside a function counts too.
+- Backends import neither the selector nor the patch: a backend is chosen, it does not
+  choose, and a backend that reached into the patch (the only code that knows vLLM's
+  internals) would tie every backend to vLLM's layer internals and to import order.
+- The registry imports no selector (the selector keys its cache on the registry's counter).
+- Nothing under ``patches/`` imports a concrete backend: the patch knows the base class only.
+- The runtime path (everything but ``testing/`` and the CLI) imports nothing from
+  ``mla_prefill_ext.testing``: the conformance kit is a tool, never loaded by an engine.
+
+Checked over the source files, so an import inside a function or under ``TYPE_CHECKING``
+counts too, as does ``importlib.import_module("...")`` with a literal name.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 PACKAGE = "mla_prefill_ext"
 FORBIDDEN = f"{PACKAGE}.patches"
-BACKENDS = Path(__file__).resolve().parent.parent / PACKAGE / "backends"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+BACKENDS = ROOT / "backends"
 
 
 def _absolute(module: str | None, level: int, importer: str) -> str:
@@ -25,8 +35,12 @@ def _absolute(module: str | None, level: int, importer: str) -> str:
     return ".".join([*base, module] if module else base)
 
 
-def forbidden_imports(source: str, importer: str) -> list[str]:
-    """Every import of ``mla_prefill_ext.patches`` (or below) in ``source``, as ``line: module``."""
+def _is_under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def forbidden_imports(source: str, importer: str, forbidden: tuple[str, ...] = (FORBIDDEN,)) -> list[str]:
+    """Every import of a module in ``forbidden`` (or below) in ``source``, as ``line: module``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         targets: list[str] = []
@@ -44,20 +58,76 @@ def forbidden_imports(source: str, importer: str) -> list[str]:
         ):
             targets = [node.args[0].value]
         for name in targets:
-            if name == FORBIDDEN or name.startswith(FORBIDDEN + "."):
+            if _is_under(name, forbidden):
                 found.append(f"{node.lineno}: {name}")
                 break
     return found
 
 
-def backend_modules() -> list[tuple[str, Path]]:
-    """(dotted name, path) of every module under backends/; a package's is ``<package>.__init__``,
+def package_modules() -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module of the package; a package's is ``<package>.__init__``,
     so that its relative imports resolve as Python resolves them."""
-    files = sorted(BACKENDS.rglob("*.py"))
     return [
-        (".".join([PACKAGE, *path.relative_to(BACKENDS.parent).with_suffix("").parts]), path)
-        for path in files
+        (".".join([PACKAGE, *path.relative_to(ROOT).with_suffix("").parts]), path)
+        for path in sorted(ROOT.rglob("*.py"))
     ]
+
+
+def backend_modules() -> list[tuple[str, Path]]:
+    return [(name, path) for name, path in package_modules() if _is_under(name, (f"{PACKAGE}.backends",))]
+
+
+def concrete_backends() -> tuple[str, ...]:
+    """Every backend module but the base class's: what the patch must never name."""
+    return tuple(
+        name
+        for name, _ in backend_modules()
+        if name not in (f"{PACKAGE}.backends.base", f"{PACKAGE}.backends.__init__")
+    )
+
+
+def _in(*prefixes: str) -> Callable[[str], bool]:
+    full = tuple(f"{PACKAGE}.{p}" for p in prefixes)
+    return lambda module: _is_under(module, full)
+
+
+class Rule(NamedTuple):
+    name: str
+    applies_to: Callable[[str], bool]
+    forbidden: Callable[[], tuple[str, ...]]
+    why: str
+
+
+RULES = (
+    Rule(
+        "backends-import-no-selector-or-patch",
+        _in("backends"),
+        lambda: (f"{PACKAGE}.selector", FORBIDDEN),
+        "a backend is chosen, it does not choose; the patch depends on backends, not the reverse",
+    ),
+    Rule(
+        "registry-imports-no-selector",
+        _in("registry"),
+        lambda: (f"{PACKAGE}.selector",),
+        "the selector depends on the registry (it keys its cache on registry.generation())",
+    ),
+    Rule(
+        "patches-import-no-concrete-backend",
+        _in("patches"),
+        concrete_backends,
+        "the patch knows the backend base class only (hooks such as accept_layer_hyperparameters)",
+    ),
+    Rule(
+        "runtime-imports-no-testing",
+        lambda module: not _in("testing", "cli")(module),
+        lambda: (f"{PACKAGE}.testing",),
+        "the conformance kit is a tool: no engine process may load it",
+    ),
+)
+
+CASES = [
+    (rule, module, path) for rule in RULES for module, path in package_modules() if rule.applies_to(module)
+]
 
 
 def test_the_check_sees_every_form_of_import():
@@ -69,6 +139,7 @@ def test_the_check_sees_every_form_of_import():
         "from ..patches import wrappers",
         "from .. import patches",
         "def f():\n    from mla_prefill_ext.patches import layers",
+        "if TYPE_CHECKING:\n    from mla_prefill_ext.patches import layers",
         "import importlib\nimportlib.import_module('mla_prefill_ext.patches.layers')",
     ):
         assert forbidden_imports(source, importer), source
@@ -81,15 +152,34 @@ def test_the_check_sees_every_form_of_import():
         assert not forbidden_imports(source, importer), source
 
 
-def test_backends_are_found():
-    names = [name for name, _ in backend_modules()]
-    assert f"{PACKAGE}.backends.base" in names and f"{PACKAGE}.backends.flashinfer" in names
-    assert f"{PACKAGE}.backends.__init__" in names
+def test_a_concrete_backend_is_told_from_the_base_class():
+    concrete = concrete_backends()
+    assert f"{PACKAGE}.backends.flashinfer" in concrete and f"{PACKAGE}.backends.base" not in concrete
+    importer = f"{PACKAGE}.patches.hooks.layer"
+    for source in (
+        "from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend",
+        "from mla_prefill_ext.backends import flashinfer",
+        "from ...backends.torch_sdpa import TorchSDPAPrefillBackend",
+    ):
+        assert forbidden_imports(source, importer, concrete), source
+    for source in (
+        "from mla_prefill_ext.backends.base import MLAPrefillBackend",
+        "from mla_prefill_ext.backends import MLAPrefillBackend",
+        "from ...backends import base",
+    ):
+        assert not forbidden_imports(source, importer, concrete), source
 
 
-@pytest.mark.parametrize("module,path", backend_modules(), ids=[name for name, _ in backend_modules()])
-def test_backend_does_not_import_the_patch(module: str, path: Path):
-    found = forbidden_imports(path.read_text(), module)
-    assert not found, (
-        f"{module} imports {FORBIDDEN} (the patch depends on backends, not the reverse): {found}"
-    )
+def test_every_rule_has_modules_to_check():
+    names = {name for name, _ in package_modules()}
+    assert {f"{PACKAGE}.backends.__init__", f"{PACKAGE}.backends.flashinfer", f"{PACKAGE}.registry"} <= names
+    for rule in RULES:
+        assert any(case[0] is rule for case in CASES), rule.name
+
+
+@pytest.mark.parametrize(
+    ("rule", "module", "path"), CASES, ids=[f"{rule.name}:{module}" for rule, module, _ in CASES]
+)
+def test_dependency_direction(rule: Rule, module: str, path: Path):
+    found = forbidden_imports(path.read_text(), module, rule.forbidden())
+    assert not found, f"{module} imports {found}: {rule.why} ({rule.name})"
