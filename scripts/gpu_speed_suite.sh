@@ -3,12 +3,13 @@
 #   bash scripts/gpu_speed_suite.sh [--kernel] [--prev DIR] OUT_DIR
 # 1. the no-sync check of every backend's step path (tests/gpu/test_no_sync.py; it also shows the
 #    check failing for planning from device offsets, and JIT-builds FlashInfer's kernels);
-# 2. the host time of one step's preparation per backend, GPU idle and busy (scripts/bench_plan.py);
+# 2. the host time of one step's preparation per backend, GPU idle and busy (scripts/bench/plan.py);
 # 3. engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once, interleaved
-#    (scripts/bench_engine.py); with --prev DIR also FLASHINFER from the code tree in DIR (a folder
+#    (scripts/bench/engine.py); with --prev DIR also FLASHINFER from the code tree in DIR (a folder
 #    holding an earlier mla_prefill_ext), to compare two versions in one run;
-# 4. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims);
-# 5. the start-up profile (scripts/profile_startup.py), last, on an otherwise idle host.
+# 4. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims,
+#    scripts/bench/kernel.py);
+# 5. the start-up profile (scripts/bench/startup.py), last, on an otherwise idle host.
 # Everything lands in OUT_DIR (logs, JSON, junit XML).
 set -u
 kernel=0 prev=""
@@ -38,7 +39,7 @@ stamp "no-sync check"
 python -m pytest tests/gpu/test_no_sync.py -q -rs --junitxml="$out/no-sync.xml" > "$out/no-sync.log" 2>&1
 stamp "no-sync check: rc=$?"
 stamp "step preparation"
-python scripts/bench_plan.py --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
+python scripts/bench/plan.py --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
 stamp "step preparation: rc=$?"
 stamp "engine throughput"
 engine_args=()
@@ -46,14 +47,14 @@ if [[ -n $prev ]]; then
   engine_args=(--tree "prev=$prev" --sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER@prev --gpu-mem 0.2
     --compare FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock,FLASHINFER/FLASHINFER@prev)
 fi
-python scripts/bench_engine.py --reps 20 "${engine_args[@]}" --json "$out/bench-engine.json" > "$out/bench-engine.log" 2>&1
+python scripts/bench/engine.py --reps 20 "${engine_args[@]}" --json "$out/bench-engine.json" > "$out/bench-engine.log" 2>&1
 stamp "engine throughput: rc=$?"
 if [[ $kernel == 1 ]]; then
   stamp "kernel benchmark"
-  python scripts/bench_prefill.py kernel --rounds 3 --json "$out/bench-kernel.json" --plot "$out/bench-kernel.png" \
+  python scripts/bench/kernel.py --rounds 3 --json "$out/bench-kernel.json" --plot "$out/bench-kernel.png" \
     > "$out/bench-kernel.log" 2>&1
   stamp "kernel benchmark: rc=$?"
 fi
 stamp "start-up profile"
-python scripts/profile_startup.py --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
+python scripts/bench/startup.py --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
 stamp "start-up profile: rc=$?"

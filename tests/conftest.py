@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Quiet vLLM's import-time chatter; the add-on's own lines are WARNING and up in these tests.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import host
 from logs import LogRecords
+
+from mla_prefill_ext.testing import vllm_host as host
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

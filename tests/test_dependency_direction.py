@@ -183,3 +183,72 @@ def test_every_rule_has_modules_to_check():
 def test_dependency_direction(rule: Rule, module: str, path: Path):
     found = forbidden_imports(path.read_text(), module, rule.forbidden())
     assert not found, f"{module} imports {found}: {rule.why} ({rule.name})"
+
+
+# Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never
+# on the test suite: tests/ is not installed, and a script reaching into it ties the benchmarks to the
+# suite's private helpers and to sys.path tricks.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS_DIR = REPO_ROOT / "scripts"
+TESTS_DIR = REPO_ROOT / "tests"
+
+
+def suite_modules() -> set[str]:
+    """``tests`` and every module name in tests/ (conftest and test files put its folders on sys.path)."""
+    return {"tests", *(path.stem for path in TESTS_DIR.rglob("*.py"))}
+
+
+def imports_of_the_test_suite(source: str, suite: set[str]) -> list[str]:
+    """Every import in ``source`` whose top-level name is the test suite or one of its modules."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+        ):
+            names = [node.args[0].value]
+        found += [f"{node.lineno}: {name}" for name in names if name.split(".")[0] in suite]
+    return found
+
+
+def test_the_scripts_check_sees_every_form_of_import():
+    suite = suite_modules()
+    assert {"tests", "conftest", "custom_backends", "scenarios"} <= suite
+    for source in (
+        "from tests.gpu import scenarios",
+        "import tests.gpu.scenarios",
+        "import custom_backends",
+        "def f():\n    import custom_backends",
+        "from scenarios import run_all",
+        "import importlib\nimportlib.import_module('tests.gpu.scenarios')",
+    ):
+        assert imports_of_the_test_suite(source, suite), source
+    for source in (
+        "from mla_prefill_ext.testing import vllm_host",
+        "import mla_prefill_ext.testing.vllm_host as host",
+        "import testsuite",
+        "from common import ROOT",
+    ):
+        assert not imports_of_the_test_suite(source, suite), source
+
+
+def test_nothing_under_scripts_imports_tests():
+    suite = suite_modules()
+    scripts = sorted(SCRIPTS_DIR.rglob("*.py"))
+    assert scripts
+    found = {
+        str(path.relative_to(REPO_ROOT)): hits
+        for path in scripts
+        if (hits := imports_of_the_test_suite(path.read_text(), suite))
+    }
+    assert not found, (
+        f"scripts import the test suite (move what they need to mla_prefill_ext.testing): {found}"
+    )

@@ -1,6 +1,6 @@
 """Deployments: settings reach every process, platforms keep their own prefill, per-builder step state.
 
-All with vLLM 0.20.2's real objects on CPU (see tests/host.py for the device facts patched).
+All with vLLM 0.20.2's real objects on CPU (mla_prefill_ext/testing/vllm_host.py: the device facts patched).
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import torch
 from test_scope import PLATFORMS, platform_view
 
 from mla_prefill_ext import activation, settings
+from mla_prefill_ext.testing import vllm_host as host
 
 SETTINGS = {settings.BACKEND_ENV, settings.OVERRIDES_ENV, settings.DISABLE_ENV}
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import host
 import pytest
 import torch
 
 from mla_prefill_ext.backends import flashinfer
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
+from mla_prefill_ext.testing import vllm_host as host
 from mla_prefill_ext.testing.problem import make_problem
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import torch
 
+from mla_prefill_ext.testing import vllm_host as host
 from mla_prefill_ext.testing.reference import reference_attention
 
 

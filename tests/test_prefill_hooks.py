@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import torch
 
 from mla_prefill_ext.patches.hooks.dispatch import bind_impl_to_backend
+from mla_prefill_ext.testing import vllm_host as host
 
 HEADS, QK, V = 4, 192, 128
 

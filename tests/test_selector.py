@@ -11,7 +11,6 @@ from typing import Any
 from unittest import mock
 
 import custom_backends
-import host
 import pytest
 import torch
 import vllm.platforms
@@ -27,6 +26,7 @@ from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.patches import legacy_flags
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+from mla_prefill_ext.testing import vllm_host as host
 
 E = MLAPrefillBackendEnum
 ADDITIONAL = "additional_config['mla_prefill_backend']"

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import torch
+
+from mla_prefill_ext.testing import vllm_host as host
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 
@@ -28,7 +29,7 @@ import make_sharp_checkpoint as msc
 
 @contextlib.contextmanager
 def vllm_build_context(cfg: Any, meta: bool) -> Iterator[None]:
-    """What building vLLM's whole DeepseekV2 needs on a CPU box (see tests/host.py).
+    """What building vLLM's whole DeepseekV2 needs on a CPU box (see mla_prefill_ext/testing/vllm_host.py).
 
     Beyond host.gpu_view: the unquantized MoE kernel choice, which has no answer on the
     "unspecified" platform, answers CPU (weights are created the same way for every kernel).

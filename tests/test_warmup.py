@@ -1,6 +1,6 @@
 """Backend warm-up at engine start: declared variants run once per process and configuration.
 
-With vLLM 0.20.2's real DeepSeek-V2 layers and MLA metadata builder on the CPU (tests/host.py);
+With vLLM 0.20.2's real DeepSeek-V2 layers and MLA metadata builder on the CPU (testing/vllm_host.py);
 vLLM creates its builders while it sets up the KV cache, before the engine reports ready.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-import host
 import pytest
 import torch
 from custom_backends import WarmingSDPABackend
@@ -18,6 +17,7 @@ from test_deployment import build_layer, make_builder
 from mla_prefill_ext import settings
 from mla_prefill_ext.backends import warmup
 from mla_prefill_ext.backends.base import KernelWarmup
+from mla_prefill_ext.testing import vllm_host as host
 
 
 @pytest.fixture

@@ -1,16 +1,15 @@
-"""Real vLLM 0.20.2 objects built on a CPU machine, for the tests.
+"""Real vLLM 0.20 objects on a machine without a GPU: a tiny DeepSeek-V2, its MLA layers, step metadata.
 
-Every vLLM class stays real. The "unspecified" platform of a CPU box has no
-attention backend and no device facts, so exactly those lookups are patched:
-the MLA decode backend (vLLM's real TRITON_MLA classes), the device capability
-and the compute-unit count.
+For tests and benchmarks of the add-on's host-side work. Every vLLM class stays real. The
+"unspecified" platform of a CPU box has no attention backend and no device facts, so exactly
+those lookups are patched (:func:`gpu_view`): the MLA decode backend (vLLM's real TRITON_MLA
+classes), the device capability and the compute-unit count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +67,7 @@ YARN_ROPE_SCALING = {
 
 
 def write_model_dir(root: Path, **overrides: Any) -> Path:
+    """A model folder holding only ``config.json``: the tiny DeepSeek-V2 with ``overrides``."""
     cfg = {**TINY_DEEPSEEK_V2, **overrides}
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg))
@@ -75,6 +75,7 @@ def write_model_dir(root: Path, **overrides: Any) -> Path:
 
 
 def make_vllm_config(model_dir: Path, dtype: str = "bfloat16", **kwargs: Any) -> Any:
+    """vLLM's own ``VllmConfig`` for the model in ``model_dir``, on the CPU device (no tokenizer)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
     model_config = ModelConfig(
@@ -217,7 +218,3 @@ def slots(table_row: torch.Tensor, positions: range, block_size: int) -> torch.T
     """KV-cache slots of a request's token positions through its block-table row."""
     pos = torch.tensor(list(positions), dtype=torch.int64)
     return table_row.long()[pos // block_size] * block_size + pos % block_size
-
-
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-__all__ = ["torch"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of one step's preparation (``prepare_metadata``) per backend, on a CUDA device.
 
-    python scripts/bench_plan.py [--steps 200] [--busy-ms 2] [--json out.json]
+    python scripts/bench/plan.py [--steps 200] [--busy-ms 2] [--json out.json]
 
 What each backend does once per step and per metadata builder before the layers run
 (FlashInfer plans its wrappers, TRT-LLM copies the chunk lengths, FLASH_ATTN builds its
@@ -21,13 +21,13 @@ turns step by step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import common
 import torch
 
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
@@ -59,13 +59,13 @@ def with_host_copies(problem, memory: str):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--busy-ms", type=float, default=2.0)
-    parser.add_argument("--json")
+    parser = common.parser(__doc__)
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per backend, shape and variant")
+    parser.add_argument("--busy-ms", type=float, default=2.0, help="GPU work queued before a busy step")
+    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_plan.py needs a CUDA device")
+        raise SystemExit("plan.py needs a CUDA device")
     # Cycles for --busy-ms, from one calibration run of torch.cuda._sleep.
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the add-on's start-up time goes, and what it costs with and without compiled bytecode.
 
-    python scripts/profile_startup.py [--reps 7] [--tree LABEL=DIR ...] [--json out.json]
+    python scripts/bench/startup.py [--reps 7] [--tree LABEL=DIR ...] [--whole-process] [--json out.json]
 
 Every measurement runs in a fresh process that has already imported vLLM (untimed) and
 times, from inside, ``import mla_prefill_ext; activate()`` and then the patch applied
@@ -21,11 +21,14 @@ process that builds an MLA model).
    * ``source``: a copy without bytecode, with ``PYTHONDONTWRITEBYTECODE=1``, so Python
      compiles its modules from source in every process (an install made with
      ``--no-compile`` into a read-only or no-bytecode environment).
+3. With ``--whole-process``, in the same repetitions: whole processes with this checkout,
+   ``import vllm``, and ``import vllm`` + vLLM's plugin loading with the add-on's entry point
+   excluded or allowed (``VLLM_PLUGINS``). Seconds each: differences of tens of milliseconds
+   drown in their spread.
 """
 
 from __future__ import annotations
 
-import argparse
 import compileall
 import importlib.util
 import json
@@ -37,7 +40,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import common
+from common import ROOT
+
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 MARK = "--- after vllm ---"
 # Activation's post-import hook: one for every patch set, or (trees before patches.PATCH_SETS) the MLA one.
@@ -81,6 +86,23 @@ out = io.StringIO()
 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
 print(out.getvalue())
 """
+
+
+# 3. Whole processes: seconds since the start, printed by the process itself.
+OTHER_PLUGINS = "lora_filesystem_resolver,lora_hf_hub_resolver"
+IMPORT_VLLM = "import time; t=time.perf_counter(); import vllm; print(time.perf_counter()-t)"
+LOAD_PLUGINS = (
+    "import time; t=time.perf_counter(); import vllm, vllm.plugins; vllm.plugins.load_general_plugins(); "
+    "print(time.perf_counter()-t)"
+)
+WHOLE_PROCESS = {
+    "import vllm": (IMPORT_VLLM, {}),
+    "import vllm + plugins, without add-on": (LOAD_PLUGINS, {"VLLM_PLUGINS": OTHER_PLUGINS}),
+    "import vllm + plugins, with add-on": (
+        LOAD_PLUGINS,
+        {"VLLM_PLUGINS": OTHER_PLUGINS + ",mla_prefill_ext"},
+    ),
+}
 
 
 def run_python(code: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
@@ -144,13 +166,16 @@ def source_copy(tree: Path, scratch: Path, label: str) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per variant")
     parser.add_argument(
         "--tree",
         action="append",
         default=[],
         help="LABEL=DIR: a folder holding an mla_prefill_ext package (repeatable; this checkout always)",
+    )
+    parser.add_argument(
+        "--whole-process", action="store_true", help="also time whole processes: import vllm, plugins"
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -179,6 +204,8 @@ def main() -> int:
         compileall.compile_dir(str(tree / "mla_prefill_ext"), quiet=1)
     compileall.compile_dir(str(Path(wrapt.__file__).parent), quiet=1)
     samples: dict[str, list[dict]] = {}
+    process_variants = WHOLE_PROCESS if args.whole_process else {}
+    process_ms: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         variants = {}
         for label, tree in trees.items():
@@ -196,6 +223,9 @@ def main() -> int:
             for name, env in variants.items():
                 out = json.loads(run_python(TIMED, env).stdout.strip().splitlines()[-1])
                 samples.setdefault(name, []).append(out)
+            for name, (code, env) in process_variants.items():  # this checkout, with bytecode
+                printed = run_python(code, {**variants["this compiled"], **env}).stdout
+                process_ms.setdefault(name, []).append(float(printed.strip().splitlines()[-1]) * 1e3)
             print(f"rep {rep + 1}/{args.reps} done", flush=True)
     results = {}
     for name, runs in samples.items():
@@ -214,10 +244,20 @@ def main() -> int:
         results[name]["package_file"] = runs[0]["file"]
         w = results[name]["whole"]
         print(f"{name:24} whole {w['median_ms']:.1f} ms ({w['min_ms']:.1f}-{w['max_ms']:.1f})", flush=True)
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"environment": environment, "profile": profile, "timing": results}, indent=1)
+    record = {"environment": environment, "profile": profile, "timing": results}
+    if process_ms:
+        whole_process = {
+            name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+            for name, v in process_ms.items()
+        }
+        whole_process["added_by_add_on_ms"] = (
+            whole_process["import vllm + plugins, with add-on"]["median_ms"]
+            - whole_process["import vllm + plugins, without add-on"]["median_ms"]
         )
+        for name, value in whole_process.items():
+            print(name, value, flush=True)
+        record["whole_process"] = whole_process
+    common.write_json(args.json, record)
     return 0
 
 

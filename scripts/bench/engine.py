@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Engine prefill throughput: stock vLLM and the add-on's backends, side by side, interleaved.
 
-    python scripts/bench_engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
+    python scripts/bench/engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
         [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
         [--tree LABEL=DIR --sides ...,FLASHINFER@LABEL --compare FLASHINFER/FLASHINFER@LABEL]
 
@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+import common
+from common import ROOT
+
 MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
 VOCAB = 32000
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
@@ -196,7 +198,7 @@ def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--sides", default="stock,FLASH_ATTN,FLASHINFER", help="stock and/or backend names")
     parser.add_argument("--grid", default=DEFAULT_GRID, help="prompt_len x batch points")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (one more untimed first)")

@@ -1,0 +1,90 @@
+"""What the benchmark scripts share: the checkout's root, the run's environment, output and --help.
+
+Each script in this folder runs as ``python scripts/bench/NAME.py``, so this folder is first on
+``sys.path`` and ``import common`` finds this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def use_this_checkout() -> None:
+    """Import ``mla_prefill_ext`` from this checkout, not from wherever it is installed.
+
+    So that a script run from another tree (e.g. an older commit's, to compare) measures that
+    tree's code.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the script's docstring: first line, then what it measures."""
+    first, _, rest = doc.strip().partition("\n")
+    return argparse.ArgumentParser(
+        description=first, epilog=rest.strip("\n"), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def environment() -> dict[str, Any]:
+    """Python, torch, vLLM, FlashInfer and, where there is one, the GPU and its driver."""
+    import torch
+    import vllm
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "vllm": vllm.__version__}
+    try:
+        import flashinfer
+
+        info["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        try:
+            info["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
+        except (OSError, IndexError):
+            pass
+    return info
+
+
+def record(**results: Any) -> dict[str, Any]:
+    """A run's JSON: the command line, the environment, then the results."""
+    return {"command": " ".join(sys.argv), "environment": environment(), **results}
+
+
+def write_json(path: str | None, out: dict[str, Any]) -> None:
+    """Write ``out`` to ``path``, if one was given."""
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
+
+
+def failure(e: BaseException) -> str:
+    """The exception's first line, and where it was raised: the innermost frame of a library."""
+    text = str(e).strip().splitlines()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = next(
+        (f for f in reversed(frames) if "site-packages" in f.filename), frames[-1] if frames else None
+    )
+    at = ""
+    if where is not None:
+        short = where.filename.split("site-packages/")[-1]
+        at = f" (raised in {short}:{where.lineno}, {where.name})"
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300] + at

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Kernel level: each backend's TFLOP/s next to the same kernel called directly, and the fastest per shape.
+
+    python scripts/bench/kernel.py [--json out.json] [--plot out.png] [--quick] [--rounds 5]
+        [--backends FLASH_ATTN,FLASHINFER,TORCH_SDPA] [--dims r1|non-r1|all] [--device auto|cuda|cpu]
+
+TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk after
+prepare_metadata, next to the same kernel called directly with the same arguments
+(vllm_flash_attn's flash_attn_varlen_func, FlashInfer's planned wrapper): CUDA events over
+repeated launches after warm-up, the two sides interleaved round by round, median of the
+rounds. Then, per shape, the fastest backend measured and what automatic selection picks on
+this GPU. On the CPU (no GPU, or --device cpu) one smoke-sized case checks the script, not
+the numbers. Tables and plot from a run's log: kernel_report.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import common
+from kernel_tables import NON_R1, R1, fastest_per_shape, plot
+
+KERNEL_BACKENDS = "FLASH_ATTN,FLASHINFER,TORCH_SDPA"
+
+
+def kernel_grid(quick: bool, device: str, dims_choice: str = "all") -> list[dict[str, Any]]:
+    if device == "cpu":  # a smoke-sized case: the script itself, not the numbers
+        return [{"dims": R1, "heads": 2, "new": [64], "ctx": [64]}]
+    singles = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    batches = [[128] * 64, [512] * 32, [2048] * 8]
+    if quick:
+        singles, batches = [512, 4096, 16384], [[128] * 64]
+    grid = []
+    for dims in {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]:
+        for heads in (16, 128):
+            for n in singles:
+                grid.append({"dims": dims, "heads": heads, "new": [n], "ctx": [n]})
+            for b in batches:
+                grid.append({"dims": dims, "heads": heads, "new": b, "ctx": list(b)})
+    return grid
+
+
+def _timer(device: str):
+    import torch
+
+    if device == "cuda":
+
+        def measure(fn, n: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / n
+
+    else:
+
+        def measure(fn, n: int) -> float:
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t) / n
+
+    return measure
+
+
+def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[str, Any]:
+    """The same kernel as the backend, called directly with the same arguments.
+
+    "The same arguments" are those the backend prepared for this step, read from the
+    prepared instance itself (its kernel kwargs, its planned FlashInfer wrappers): the
+    comparison is the backend's call against its own kernel call, nothing else.
+    """
+    import copy
+    import functools
+
+    import torch
+
+    if name == "FLASH_ATTN":
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        fa = functools.partial(flash_attn_varlen_func, fa_version=backend.fa_version)
+        if backend.requires_v_padding:  # the kernel needs V at the qk head dim here
+            pad = p.q.shape[-1] - p.v.shape[-1]
+            p = copy.copy(p)
+            p.v = torch.nn.functional.pad(p.v, [0, pad])
+            chunk_q_k_v = (*chunk_q_k_v[:2], torch.nn.functional.pad(chunk_q_k_v[2], [0, pad]))
+        # The backend's own per-step kwargs (built in prepare_metadata): the same arguments.
+        new_kw, ctx_kw = backend._new_tokens_kwargs, backend._context_chunk_kwargs(0)
+        return {
+            "new_tokens": lambda: fa(q=p.q, k=p.k, v=p.v, **new_kw, return_softmax_lse=False),
+            "context_chunk": lambda: fa(
+                q=chunk_q_k_v[0], k=chunk_q_k_v[1], v=chunk_q_k_v[2], **ctx_kw, return_softmax_lse=True
+            ),
+        }
+    if name == "FLASHINFER":
+        # The wrappers the backend planned (its own instances): run them directly.
+        return {
+            "new_tokens": lambda: backend._main.run(p.q, p.k, p.v, return_lse=False),
+            "context_chunk": lambda: backend._chunks[0].run(*chunk_q_k_v, return_lse=True),
+        }
+    return {}
+
+
+def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device) -> list[dict]:
+    """Both ops of one backend on one shape, next to the bare kernel where there is one."""
+    import torch
+
+    from mla_prefill_ext.testing.problem import deepseek_yarn_scale
+
+    dims, heads = case["dims"], case["heads"]
+    rows = []
+    backend = cls(heads, deepseek_yarn_scale(), 512, *dims, None)
+    backend.prepare_metadata(p.metadata)
+    ours = {
+        "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
+        "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
+    }
+    bare = bare_kernels(name, backend, p, chunk)
+    for op, flops in (("new_tokens", new_flops), ("context_chunk", ctx_flops)):
+        fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
+        for fn in fns.values():  # warm-up (and JIT)
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        once = measure(fns["backend"], 1)
+        n = max(1, min(200, int(0.02 / max(once, 1e-6))))
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(rounds):  # interleave the sides round by round
+            for k, fn in fns.items():
+                samples[k].append(measure(fn, n))
+        row = {
+            "backend": name,
+            "op": op,
+            "dims": list(dims),
+            "heads": heads,
+            "seqs": len(case["new"]),
+            "tokens": sum(case["new"]),
+            "shape": f"{len(case['new'])}x{case['new'][0]}",
+            "launches_per_round": n,
+        }
+        for k, s in samples.items():
+            t = statistics.median(s)
+            row[f"{k}_ms"] = t * 1e3
+            row[f"{k}_tflops"] = flops / t / 1e12
+        if "bare_ms" in row:
+            row["ratio"] = row["bare_ms"] / row["backend_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_kernels(
+    names: list[str], device: str, capability: Any, grid: list[dict], rounds: int
+) -> list[dict]:
+    """Every valid backend of ``names`` on each case of ``grid``; a shape a kernel refuses is a row too."""
+    import torch
+
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+    from mla_prefill_ext.testing.problem import make_problem
+
+    measure = _timer(device)
+    rows = []
+    for case in grid:
+        dims, heads = case["dims"], case["heads"]
+        config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
+        p = make_problem(case["new"], case["ctx"], 1, heads, *dims, device=device, seed=0)
+        chunk = (p.q, p.chunk_k[0], p.chunk_v[0])
+        new_flops, ctx_flops = p.flops(context=False), p.flops(new_tokens=False)
+        for name in names:
+            cls = MLAPrefillBackendEnum[name].get_class()
+            if cls.validate_configuration(capability, config):
+                continue
+            try:
+                rows += measure_backend(
+                    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device
+                )
+            except RuntimeError as e:  # a kernel that refuses this shape is a result too
+                rows.append(
+                    {
+                        "backend": name,
+                        "dims": list(dims),
+                        "heads": heads,
+                        "shape": f"{len(case['new'])}x{case['new'][0]}",
+                        "error": str(e),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        p = chunk = None  # free this shape's tensors before the next one
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write the plot (PNG) here")
+    parser.add_argument("--quick", action="store_true", help="a smaller grid")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per shape (median taken)")
+    parser.add_argument("--backends", default=KERNEL_BACKENDS, help="comma-separated backends to time")
+    parser.add_argument("--dims", choices=["r1", "non-r1", "all"], default="all", help="grid shapes")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="auto: the GPU if there is one; cpu: the smoke case, as on a machine without a GPU",
+    )
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    common.use_this_checkout()
+    import torch
+
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.selector import current_device_capability
+
+    names = args.backends.split(",")
+    unknown = [n for n in names if n not in MLAPrefillBackendEnum.__members__]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; known: {list(MLAPrefillBackendEnum.__members__)}")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    capability = current_device_capability() if device == "cuda" else None
+    out = common.record()
+    grid = kernel_grid(args.quick, device, args.dims)
+    out["kernel"] = bench_kernels(names, device, capability, grid, args.rounds)
+    out["selection"] = fastest_per_shape(out["kernel"], capability)
+    if args.plot:
+        plot(out["kernel"], args.plot)
+    common.write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
