@@ -1,14 +1,13 @@
-"""Backend packages: entry-point discovery, precedence, broken entries, automatic-selection claims.
+"""Backend packages: entry-point discovery, precedence, broken entries, claims, lookups by name.
 
 The packages here are real installed distributions as importlib.metadata sees them: a
 ``*.dist-info`` folder with an ``entry_points.txt`` on ``sys.path`` (what pip writes),
-next to the backend's module. tests/test_conformance.py pip-installs the example package.
+next to the backend's module; the lookups by name use the example package, pip-installed.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pip_install import pip_install
 from vllm.platforms.interface import DeviceCapability
 
 from mla_prefill_ext import discovery, registry, selector
@@ -340,17 +340,7 @@ NAME_CASES: dict[str, dict] = {
 @pytest.fixture(scope="module")
 def example_package_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/mla_prefill_example_backend installed by pip (metadata, entry point, module)."""
-    root = tmp_path_factory.mktemp("example-package")
-    src, site = root / "src", root / "site"  # a copy: setuptools builds in the source tree
-    shutil.copytree(EXAMPLE_PACKAGE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return site
+    return pip_install(EXAMPLE_PACKAGE, tmp_path_factory.mktemp("example-package"))
 
 
 @pytest.fixture(scope="module")
