@@ -11,10 +11,10 @@ installed entries itself, as vLLM's own plugins do, so they are there on every n
 that has the package: nothing travels between processes. Discovery runs once per
 process, the first time a backend name is not found, every name is listed or a
 selection runs; it reads package metadata only, and a class is imported when it is
-selected or inspected. A registration
-by call (:func:`register_mla_prefill_backend`) wins over an entry of the same name;
-entries cannot replace a built-in backend. A broken entry is recorded (``info``
-shows it) and never affects an engine that does not select it.
+selected or inspected. A registration by call (:func:`register_mla_prefill_backend`)
+wins over an entry of the same name; entries cannot replace a built-in backend. A
+broken entry is recorded (``info`` shows it) and never affects an engine that does
+not select it.
 """
 
 from __future__ import annotations
