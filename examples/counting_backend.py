@@ -5,6 +5,11 @@ CUSTOM to prove that a backend registered in the user's process is the one that
 runs inside vLLM's engine processes: every call appends ``<pid> <method>`` to
 the file named by ``MLA_PREFILL_COUNT_FILE`` (when set).
 
+The file holds one run's calls: the first call of a process empties it unless the
+process that wrote its first line is still running (then they belong to the same
+run: vLLM's engine core and workers run at once), so counts never add up across
+runs. Processes of one run on one host agree; on several hosts, give each its own file.
+
 Register it before the engine starts, by class path (this module must be
 importable in vLLM's child processes, e.g. on ``PYTHONPATH``)::
 
@@ -14,6 +19,7 @@ importable in vLLM's child processes, e.g. on ``PYTHONPATH``)::
 
 from __future__ import annotations
 
+import fcntl
 import os
 from typing import Any
 
@@ -23,6 +29,27 @@ from mla_prefill_ext import MLAPrefillBackend, MLAPrefillBackendEnum
 from mla_prefill_ext.selector import mla_prefill_backend_priorities
 
 COUNT_FILE_ENV = "MLA_PREFILL_COUNT_FILE"
+_JOINED: dict[str, int] = {}  # count file -> the pid that joined its run (a forked child has not)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def _join_run(path: str) -> None:
+    """Empty the count file unless its first line was written by a running process (this run)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # the workers of one run start at once: one decides
+        f.seek(0)
+        first = f.readline().split(" ", 1)[0]
+        if first and not (first.isdigit() and _running(int(first))):
+            f.truncate(0)
 
 
 def _inner_class(device_capability: Any, selector_config: Any) -> type[MLAPrefillBackend] | None:
@@ -61,9 +88,13 @@ class CountingPrefillBackend(MLAPrefillBackend):
         self._count_file = os.environ.get(COUNT_FILE_ENV)
 
     def _record(self, what: str) -> None:
-        if self._count_file:
-            with open(self._count_file, "a") as f:
-                f.write(f"{os.getpid()} {what}\n")
+        if not self._count_file:
+            return
+        if _JOINED.get(self._count_file) != os.getpid():  # once per process (and per fork)
+            _join_run(self._count_file)
+            _JOINED[self._count_file] = os.getpid()
+        with open(self._count_file, "a") as f:
+            f.write(f"{os.getpid()} {what}\n")
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:
         super().prepare_metadata(prefill_metadata)

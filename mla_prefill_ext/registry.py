@@ -27,14 +27,34 @@ _T = TypeVar("_T", bound=type)
 
 
 class _MLAPrefillBackendEnumMeta(EnumMeta):
-    """Gives ``MLAPrefillBackendEnum["X"]`` an error that lists the valid names."""
+    """Finds installed backend packages by name, and lists the valid names when there is none.
+
+    A name that is not a member yet may be an installed backend package's: the first such
+    miss in a process discovers them (:func:`_discover_installed`), so that every lookup by
+    name sees them whether or not a selection ran before.
+    """
 
     def __getitem__(cls, name: str) -> Any:
-        try:
-            return super().__getitem__(name)
-        except KeyError:
-            valid = ", ".join(cls.__members__)
-            raise ValueError(f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}") from None
+        member = cls._member_map_.get(name)
+        if member is None:
+            _discover_installed()
+            member = cls._member_map_.get(name)
+        if member is None:
+            valid = ", ".join(cls._member_map_)
+            raise ValueError(f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}")
+        return member
+
+    def __getattr__(cls, name: str) -> Any:
+        # Only reached for a name that is not a class attribute (members are, once added).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        member = cls._member_map_.get(name)
+        if member is None:
+            _discover_installed()
+            member = cls._member_map_.get(name)
+        if member is None:
+            raise AttributeError(name)
+        return member
 
 
 class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
@@ -50,9 +70,10 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
 
     def get_path(self) -> str:
         """The class path in force for this member (an override wins)."""
-        with _LOCK:
-            # A registration by call wins over an installed entry point of the same name.
-            path = _OVERRIDES.get(self.name) or _ENTRY_POINTS.get(self.name, (self.value, None))[0]
+        path = self._path_in_force()
+        if not path:
+            _discover_installed()  # an installed package of this name may not be discovered yet
+            path = self._path_in_force()
         if not path:
             raise ValueError(
                 f"MLA prefill backend {self.name} must be registered before use: call "
@@ -61,6 +82,11 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
                 f"with @register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name})"
             )
         return path
+
+    def _path_in_force(self) -> str | None:
+        with _LOCK:
+            # A registration by call wins over an installed entry point of the same name.
+            return _OVERRIDES.get(self.name) or _ENTRY_POINTS.get(self.name, (self.value, None))[0]
 
     def get_class(self) -> type[MLAPrefillBackend]:
         """Import and return the backend class (lazily: importing is deferred to here)."""
@@ -114,6 +140,7 @@ _OVERRIDES: dict[str, str] = {}
 # Not mirrored to the environment: each process discovers its own installed packages.
 _ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
 _GENERATION = 0
+_READY = False
 
 
 def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
@@ -186,8 +213,10 @@ def _add_member(name: str) -> MLAPrefillBackendEnum:
             "'MY_PREFILL' (letters, digits, underscores; no leading underscore)"
         )
     enum_cls: Any = MLAPrefillBackendEnum
-    # hasattr() misses Enum's `name`/`value` (their class access raises): look in the MRO too.
-    if hasattr(enum_cls, name) or any(name in vars(k) for k in type.mro(MLAPrefillBackendEnum)):
+    # What hasattr() would find, without the metaclass's __getattr__ (which discovers), and
+    # Enum's `name`/`value` too (their class access raises): the class's and metaclass's MROs.
+    owners = (*type.mro(type(MLAPrefillBackendEnum)), *type.mro(MLAPrefillBackendEnum))
+    if any(name in vars(k) for k in owners):
         raise ValueError(f"MLA prefill backend name '{name}' is reserved")
     member = object.__new__(MLAPrefillBackendEnum)
     member._name_ = name
@@ -199,18 +228,44 @@ def _add_member(name: str) -> MLAPrefillBackendEnum:
     return member
 
 
-def lookup(name: str) -> MLAPrefillBackendEnum:
-    """The member called ``name``: exact spelling first, then ignoring case.
-
-    Raises ValueError naming the valid options when there is none (or several).
-    """
+def _find(name: str) -> MLAPrefillBackendEnum | None:
+    """The member called ``name``, exact spelling first, then ignoring case (None: none, or several)."""
     members = MLAPrefillBackendEnum.__members__
     if name in members:
         return members[name]
     matches = [m for n, m in members.items() if n.lower() == name.lower()]
-    if len(matches) == 1:
-        return matches[0]
-    return MLAPrefillBackendEnum[name]  # raises with the list of valid names
+    return matches[0] if len(matches) == 1 else None
+
+
+def lookup(name: str) -> MLAPrefillBackendEnum:
+    """The member called ``name``: exact spelling first, then ignoring case.
+
+    A name not known yet may be an installed backend package's: the first miss in a
+    process discovers them. Raises ValueError naming the valid options when there is
+    none (or several).
+    """
+    member = _find(name)
+    if member is None:
+        _discover_installed()
+        member = _find(name)
+    if member is None:
+        return MLAPrefillBackendEnum[name]  # raises with the list of valid names
+    return member
+
+
+def _discover_installed() -> None:
+    """Register the installed backend packages (entry points), once per process.
+
+    Called where a name is missed or every name is listed, so that lookups, listings and
+    selection all see the installed packages, whoever asks first. Reading their metadata
+    costs a few milliseconds, once; a class is imported only when it is used. A no-op
+    while this module is still being imported, and inside the discovery itself.
+    """
+    if not _READY:
+        return
+    from mla_prefill_ext import discovery  # discovery registers through this module: imported lazily
+
+    discovery.discover()
 
 
 def _resolve_member(backend: MLAPrefillBackendEnum | str) -> MLAPrefillBackendEnum:
@@ -326,6 +381,7 @@ def register_mla_prefill_backend(
 
 def registered_backends() -> list[tuple[MLAPrefillBackendEnum, str | None]]:
     """Every member with the class path in force (None: CUSTOM-like, unregistered)."""
+    _discover_installed()
     with _LOCK:
         return [
             (m, _OVERRIDES.get(m.name) or _ENTRY_POINTS.get(m.name, (m.value, None))[0])
@@ -389,3 +445,4 @@ def _apply_environment() -> None:
 
 
 _apply_environment()
+_READY = True  # from here on a missed name may discover the installed backend packages

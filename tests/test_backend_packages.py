@@ -1,8 +1,8 @@
-"""Backend packages: calls win over entry points, broken entries, automatic-selection claims.
+"""Backend packages: entry-point discovery, precedence, broken entries, claims, lookups by name.
 
 The packages here are real installed distributions as importlib.metadata sees them: a
 ``*.dist-info`` folder with an ``entry_points.txt`` on ``sys.path`` (what pip writes),
-next to the backend's module. tests/test_conformance.py pip-installs the example package.
+next to the backend's module; the lookups by name use the example package, pip-installed.
 Discovery itself (what is read, once, and registered) is tests/test_discovery.py.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pip_install import pip_install
 from vllm.platforms.interface import DeviceCapability
 
-from mla_prefill_ext import discovery, selector
+from mla_prefill_ext import discovery, registry, selector
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
@@ -59,6 +60,34 @@ def site(tmp_path: Path, clean_selection: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def fake_backend(name: str, claim: str = "None") -> str:
     return BACKEND_MODULE.format(cls=f"{name.title().replace('_', '')}Backend", name=name, claim=claim)
+
+
+def test_the_first_missed_name_discovers_the_installed_packages_once(site):
+    """No selection ran: a lookup, the enum and a listing find the package; later misses stay cheap."""
+    install(
+        site,
+        "fakepkg-one",
+        {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
+        {"fakepkg_one": fake_backend("FAKE_ONE")},
+    )
+    assert discovery._DISCOVERED is None
+    assert registry.lookup("fake_one").name == "FAKE_ONE"
+    assert MLAPrefillBackendEnum["FAKE_ONE"] is MLAPrefillBackendEnum.FAKE_ONE
+    assert "FAKE_ONE" in {m.name for m, _ in registry.registered_backends()}
+    assert "fakepkg_one" not in sys.modules  # still metadata only
+    # Discovery ran once: a package installed after it is not read again at each miss.
+    late = {"fakepkg_late": fake_backend("FAKE_LATE")}
+    install(site / "later", "fakepkg-late", {"FAKE_LATE": "fakepkg_late:FakeLateBackend"}, late)
+    sys.path.insert(0, str(site / "later"))
+    try:
+        with pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'FAKE_LATE'.*FAKE_ONE"):
+            registry.lookup("FAKE_LATE")
+        with pytest.raises(AttributeError):
+            MLAPrefillBackendEnum.FAKE_LATE  # noqa: B018
+        discovery.discover(refresh=True)
+        assert MLAPrefillBackendEnum["FAKE_LATE"].get_class().get_name() == "FAKE_LATE"
+    finally:
+        sys.path.remove(str(site / "later"))
 
 
 def test_registration_by_call_wins_over_an_entry_point(site):
@@ -205,3 +234,97 @@ def test_a_malformed_claim_leaves_the_backend_out_of_automatic_selection(site, a
     # Still selectable by name: the claim only concerns automatic selection.
     explicit = selector.select(None, R1_BF16, selector.Choice("FAKE_CLAIM", "MLA_PREFILL_BACKEND", True))
     assert explicit.name == "FAKE_CLAIM"
+
+
+# Every way of naming a backend finds an installed package, in a process where nothing ran before.
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_PACKAGE = REPO / "examples" / "mla_prefill_example_backend"
+SMALL_SUITE = "device='cpu', dtype='float32', dims=[(64, 32, 64)], num_heads=[2]"
+NAME_CASES: dict[str, dict] = {
+    "enum_item": {
+        "code": "from mla_prefill_ext import MLAPrefillBackendEnum\n"
+        "assert MLAPrefillBackendEnum['EXAMPLE'].get_class().get_name() == 'EXAMPLE'"
+    },
+    "enum_attribute": {
+        "code": "from mla_prefill_ext import MLAPrefillBackendEnum\n"
+        "assert MLAPrefillBackendEnum.EXAMPLE.source().endswith('package mla-prefill-example-backend')"
+    },
+    "lookup_after_activate": {
+        "code": "import mla_prefill_ext\nmla_prefill_ext.activate()\n"
+        "from mla_prefill_ext import registry\nassert registry.lookup('example').name == 'EXAMPLE'"
+    },
+    "selector_explicit_choice": {
+        "code": "import torch\nfrom mla_prefill_ext import selector\n"
+        "config = selector.MLAPrefillSelectorConfig.from_dims(torch.float32, 128, 64, 128)\n"
+        "choice = selector.Choice('Example', 'MLA_PREFILL_BACKEND', True)\n"
+        "assert selector.select(None, config, choice).name == 'EXAMPLE'"
+    },
+    "run_conformance": {
+        "code": "from mla_prefill_ext.testing import run_conformance\n"
+        f"report = run_conformance('EXAMPLE', {SMALL_SUITE})\n"
+        "assert report.ok and report.backend == 'EXAMPLE', report.format()"
+    },
+    "assert_conformant": {
+        "code": "from mla_prefill_ext.testing import assert_conformant\n"
+        f"assert assert_conformant('example', {SMALL_SUITE}).backend == 'EXAMPLE'"
+    },
+    "cli_check_backend_conformance": {
+        "cli": ["check", "--backend", "EXAMPLE", "--conformance", "--dtype", "float32"]
+    },
+    "cli_check_environment": {
+        "env": {"MLA_PREFILL_BACKEND": "EXAMPLE"},
+        "cli": ["check", "--repeat", "1", "--dtype", "float32", "--json"],
+    },
+    "cli_select_backend": {"cli": ["select", "--backend", "example", "--json"]},
+    "cli_info_environment": {"env": {"MLA_PREFILL_BACKEND": "EXAMPLE"}, "cli": ["info", "--json"]},
+}
+
+
+@pytest.fixture(scope="module")
+def example_package_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/mla_prefill_example_backend installed by pip (metadata, entry point, module)."""
+    return pip_install(EXAMPLE_PACKAGE, tmp_path_factory.mktemp("example-package"))
+
+
+@pytest.fixture(scope="module")
+def name_case_results(example_package_site: Path) -> dict[str, dict]:
+    """Each case of NAME_CASES run in a process of its own with the example package installed."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_PREFILL")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(example_package_site), str(REPO), os.environ.get("PYTHONPATH")])
+    )
+    env["PYTHONDONTWRITEBYTECODE"] = ""  # info's bytecode note depends on the machine, not on names
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("fresh_processes.py"))],
+        input=json.dumps(list(NAME_CASES.values())),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(NAME_CASES, json.loads(proc.stdout), strict=True))
+
+
+@pytest.mark.parametrize("case", list(NAME_CASES))
+def test_an_installed_package_is_found_by_name_everywhere(
+    case: str, name_case_results: dict[str, dict]
+) -> None:
+    result = name_case_results[case]
+    assert result["rc"] == 0, f"{NAME_CASES[case]}:\n{result['stdout'][-2000:]}\n{result['stderr'][-3000:]}"
+    out = result["stdout"]
+    if case == "cli_check_backend_conformance":
+        assert "backend under test: EXAMPLE (from --backend)" in out and "RESULT: PASS" in out
+    elif case == "cli_check_environment":
+        report = json.loads(out)
+        assert report["backend"] == "EXAMPLE" and report["ok"] is True
+    elif case == "cli_select_backend":
+        report = json.loads(out)
+        assert (report["selected"], report["source"]) == ("EXAMPLE", "--backend")
+    elif case == "cli_info_environment":
+        report = json.loads(out)
+        assert report["choice"]["requested"] == "EXAMPLE" and report["choice"]["selected_here"] == "EXAMPLE"
+        assert [f for f in report["findings"] if f["level"] == "problem"] == [] and report["verdict"] == "ok"

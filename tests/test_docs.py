@@ -121,3 +121,53 @@ def test_readme_custom_backend_example_runs(tmp_path):
     kinds = [line.split(" ", 1)[1] for line in calls.read_text().splitlines()]
     assert kinds.count("new_tokens") == 2  # warm-up + one timed run
     assert kinds.count("context_chunk 0") == 2 and kinds.count("context_chunk 1") == 2
+
+
+def test_readme_check_synopsis_names_every_option():
+    """The Diagnostics section's `check [...]` line shows each option `check --help` has."""
+    import re
+
+    proc = run_cli("check", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    options = set(re.findall(r"\[(--[a-z-]+)", proc.stdout.split("\n\n", 1)[0]))  # the usage lines
+    assert {"--backend", "--conformance", "--dtype"} <= options
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    synopsis = readme.split("- `check [", 1)[1].split("`:", 1)[0]
+    # --json and --debug are every command's, stated once for all.
+    assert sorted(o for o in options - {"--json", "--debug"} if o not in synopsis) == []
+    assert "class path" in readme.split("- `check [", 1)[1].split("## ", 1)[0]
+
+
+def test_the_counting_backend_counts_one_run_at_a_time(tmp_path, monkeypatch):
+    """A run's first call empties the count file, unless the run that wrote it is still going."""
+    import os
+
+    example = ROOT / "examples" / "counting_backend.py"
+    spec = importlib.util.spec_from_file_location("counting_backend", example)
+    counting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counting)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv(counting.COUNT_FILE_ENV, str(calls))
+    dims = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    backend = counting.CountingPrefillBackend(num_heads=2, scale=0.1, vllm_config=None, **dims)
+
+    earlier = subprocess.Popen(["true"])  # a process of an earlier run, finished
+    earlier.wait()
+    calls.write_text(f"{earlier.pid} new_tokens\n" * 3)
+    backend._record("new_tokens")
+    assert calls.read_text() == f"{os.getpid()} new_tokens\n"
+
+    other = subprocess.Popen(["sleep", "60"])  # another process of this run, still running
+    try:
+        calls.write_text(f"{other.pid} new_tokens\n")
+        counting._JOINED.clear()  # as in a new process
+        backend._record("context_chunk 0")
+        backend._record("context_chunk 1")
+    finally:
+        other.kill()
+        other.wait()
+    assert calls.read_text().splitlines() == [
+        f"{other.pid} new_tokens",
+        f"{os.getpid()} context_chunk 0",
+        f"{os.getpid()} context_chunk 1",
+    ]
