@@ -6,13 +6,13 @@ import pickle
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import wrapt
 
 from mla_prefill_ext import activation, settings
 from mla_prefill_ext.patches import ARG_UTILS_MODULE, PATCH_SETS, engine_config, instrumentor_for
 from mla_prefill_ext.patches.hooks import layer
+from mla_prefill_ext.testing import vllm_host as host
 
 
 @pytest.fixture

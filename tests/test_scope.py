@@ -1,6 +1,6 @@
 """Where the add-on takes over vLLM's MLA prefill, and where vLLM keeps its own (patches/scope.py).
 
-The platform is vLLM's real one with its is_* answers patched (tests/host.py's rule: device
+The platform is vLLM's real one with its is_* answers patched (the test kit's vllm_host rule: device
 facts only); the attention implementations are vLLM's real classes.
 """
 
@@ -83,8 +83,9 @@ def test_an_impl_with_its_own_kernel_keeps_it_unless_chosen_explicitly():
 
 
 def test_the_explicit_choice_is_the_configuration_being_built(clean_selection, model_dirs):
-    import host
     from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext.testing import vllm_host as host
 
     assert scope.current_explicit_choice() is None  # no configuration, nothing set
     clean_selection.setenv(settings.BACKEND_ENV, "flash_attn")
