@@ -1,0 +1,272 @@
+"""What every command shares: exit codes, the host probe, findings, the report and its output."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_CHECK = 0, 1, 2
+EXIT_FAIL = EXIT_PROBLEM  # older name
+
+PROG = "mla-prefill-ext"
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+# The report every command fills, rendered once
+
+
+class Report(ABC):
+    """What a command found: rendered once, as text lines or as one JSON object."""
+
+    exit_code: int
+
+    @abstractmethod
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object ``--json`` prints."""
+
+    @abstractmethod
+    def text_lines(self) -> list[str]:
+        """The lines printed without ``--json``."""
+
+
+def emit(args: argparse.Namespace, report: Report) -> int:
+    """Print the report on stdout, as JSON with ``--json``; its exit code."""
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        print("\n".join(report.text_lines()))
+    return report.exit_code
+
+
+class Finding(NamedTuple):
+    level: str  # "problem" or "note"
+    message: str
+
+
+# vLLM and PyTorch: present and importable?
+
+
+def supported_range() -> str:
+    from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+
+    return f"vllm{SUPPORTED_VLLM}"
+
+
+def install_hint() -> str:
+    return f"install a supported vLLM, which brings PyTorch: pip install '{supported_range()}'"
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _import_error(module: str) -> str | None:
+    """Why ``module`` cannot be imported (None: it imports)."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a broken install (e.g. OSError from a shared library)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class Host(NamedTuple):
+    """What the add-on runs on: versions, and why vLLM or PyTorch cannot be used."""
+
+    vllm_version: str | None
+    torch_version: str | None
+    problems: list[str]  # non-empty: nothing can be checked
+
+
+def probe_host(import_vllm: bool = True) -> Host:
+    """Versions of vLLM and PyTorch, and whether they import (vLLM only when asked: ~5 s)."""
+    from mla_prefill_ext.patches.version import installed_vllm_version
+
+    vllm_version = installed_vllm_version()
+    torch_version = _dist_version("torch")
+    problems = []
+    torch_error = _import_error("torch")
+    if torch_error is None:
+        import torch
+
+        torch_version = torch.__version__
+    elif torch_version is None:
+        problems.append(f"PyTorch is not installed ({torch_error}).")
+    else:
+        problems.append(f"PyTorch {torch_version} is installed but cannot be imported ({torch_error}).")
+    if vllm_version is None:
+        problems.append(f"vLLM is not installed: this add-on needs {supported_range()}.")
+    elif import_vllm and torch_error is None:
+        vllm_error = _import_error("vllm")
+        if vllm_error is not None:
+            problems.append(f"vLLM {vllm_version} is installed but cannot be imported ({vllm_error}).")
+    return Host(vllm_version, torch_version, problems)
+
+
+@dataclass
+class CannotCheck(Report):
+    """A command that cannot run here because vLLM or PyTorch is missing or broken (exit code 2).
+
+    ``info`` keeps its doctor's header (versions, findings); ``select`` and ``check`` say
+    that they cannot run.
+    """
+
+    command: str
+    host: Host
+    exit_code: int = EXIT_CANNOT_CHECK
+
+    def _about(self) -> dict[str, Any]:
+        if self.command != "info":
+            return {"ok": False}
+        import platform
+
+        import mla_prefill_ext
+        from mla_prefill_ext.patches.version import unsupported_reason
+
+        version = self.host.vllm_version
+        return {
+            "package_version": mla_prefill_ext.__version__,
+            "python_version": platform.python_version(),
+            "vllm_supported": version is not None and unsupported_reason(version) is None,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self._about(),
+            "vllm_version": self.host.vllm_version,
+            "torch_version": self.host.torch_version,
+            "supported_range": supported_range(),
+            "findings": [{"level": "problem", "message": p} for p in self.host.problems],
+            "verdict": "cannot check",
+            "exit_code": self.exit_code,
+        }
+
+    def text_lines(self) -> list[str]:
+        verdict = f"verdict: cannot check: {install_hint()}, then run `{PROG} info` again."
+        if self.command != "info":
+            return [
+                f"{PROG} {self.command} cannot run here:",
+                *(f"  {p}" for p in self.host.problems),
+                verdict,
+            ]
+        return [
+            header(),
+            f"vLLM: {self.host.vllm_version or 'not installed'} (the add-on supports {supported_range()})",
+            f"PyTorch: {self.host.torch_version or 'not installed'}",
+            "findings:",
+            *(f"  PROBLEM  {p}" for p in self.host.problems),
+            verdict,
+        ]
+
+
+def header() -> str:
+    """``mla-prefill-ext 0.1.0 (Python 3.12.3)``: the first line of ``info``."""
+    import platform
+
+    import mla_prefill_ext
+
+    return f"{PROG} {mla_prefill_ext.__version__} (Python {platform.python_version()})"
+
+
+def chosen_automatically(source: str) -> bool:
+    """Whether a selection's or a choice's source is automatic selection (no setting chose)."""
+    return source == "automatic"
+
+
+def note_unsupported(host: Host) -> None:
+    """select and check still run on an unsupported vLLM (vLLM's own code is not used): say so."""
+    from mla_prefill_ext.patches.version import unsupported_reason
+
+    reason = unsupported_reason(host.vllm_version)
+    if reason is not None:
+        print(f"note: {reason}; the add-on would not patch it. `{PROG} info` says more.", file=sys.stderr)
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: message (at file:line)`` of the innermost frame, for a one-line report."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+@dataclass
+class Stopped(Report):
+    """A command that stopped with one message: ``FAIL`` (exit code 1) or ``cannot check`` (2)."""
+
+    facts: dict[str, Any]  # what was known when it stopped (device, dtype, backend, ...)
+    message: str
+    exit_code: int = EXIT_PROBLEM
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.facts, "ok": False, "error": self.message}
+
+    def text_lines(self) -> list[str]:
+        label = "FAIL" if self.exit_code == EXIT_PROBLEM else "cannot check"
+        return [f"{label}: {self.message}"]
+
+
+# Devices, dtypes, dims and the backend choice, from parsed flags
+
+
+def cap_str(cap: Any) -> str:
+    return "none (no GPU)" if cap is None else f"{cap.major}.{cap.minor}"
+
+
+def cap_json(cap: Any) -> str | None:
+    return None if cap is None else f"{cap.major}.{cap.minor}"
+
+
+def capability(value: tuple[int, int] | str | None) -> Any:
+    """The DeviceCapability for a parsed ``--capability`` (None: no GPU)."""
+    from vllm.platforms.interface import DeviceCapability
+
+    from mla_prefill_ext.selector import current_device_capability
+
+    if value is None:
+        return current_device_capability()
+    if value == "cpu":
+        return None
+    return DeviceCapability(*value)
+
+
+def dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def dims(value: tuple[int, int, int] | str) -> tuple[int, int, int]:
+    from mla_prefill_ext.backends.base import R1_MLA_DIMS
+
+    return R1_MLA_DIMS if value == "r1" else value  # type: ignore[return-value]
+
+
+def backend_choice(args: argparse.Namespace) -> Any:
+    """The choice in force: ``--backend`` (an unknown name is a usage error), else the environment."""
+    from mla_prefill_ext.registry import lookup
+    from mla_prefill_ext.selector import Choice, requested_choice
+
+    if not args.backend:
+        return requested_choice(None)
+    try:
+        lookup(args.backend)
+    except ValueError as e:
+        args.parser.error(f"argument --backend: {e}.")
+    return Choice(args.backend, "--backend", True)
+
+
+def claim_text(claim: dict[str, Any]) -> str:
+    """``claim: 9.x, cpu; before FLASH_ATTN`` (as select and info show it)."""
+    return f"claim: {', '.join(claim['capabilities'])}; before {claim['before']}"

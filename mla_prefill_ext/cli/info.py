@@ -1,0 +1,309 @@
+"""``info``, the doctor: checks the installation and fills one report with every finding."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from mla_prefill_ext.cli import registrations, runtime
+from mla_prefill_ext.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    CannotCheck,
+    Finding,
+    Host,
+    Report,
+    cap_json,
+    chosen_automatically,
+    header,
+    install_hint,
+    probe_host,
+    supported_range,
+)
+
+
+@dataclass
+class ChoiceReport:
+    """The user's backend choice, where it came from, and whether it can serve here."""
+
+    info: dict[str, Any]  # as JSON gives it
+    findings: list[Finding]
+
+    def text_lines(self) -> list[str]:
+        from mla_prefill_ext.settings import BACKEND_ENV
+
+        info = self.info
+        if chosen_automatically(info["source"]):
+            lines = [f"backend choice: automatic ({BACKEND_ENV} is unset or 'auto')"]
+        else:
+            lines = [f"backend choice: {info['requested']} (from {info['source']})"]
+        lines.append(
+            "  an engine's additional_config['mla_prefill_backend'] (or vLLM's legacy prefill flags) "
+            "would come first; `select` shows any configuration"
+        )
+        cap = info["capability"]
+        device = "no GPU" if cap is None else f"compute capability {cap}"
+        here = f"here ({device}), for a bfloat16 model with DeepSeek-R1 MLA dims"
+        if info["selected_here"] is None:
+            lines.append(f"  {here}: it cannot serve (see the findings)")
+        else:
+            joined = " (it joined automatic selection by its claim)" if info["selected_by_claim"] else ""
+            lines.append(f"  {here}: {info['selected_here']} would serve{joined}")
+        return lines
+
+
+def choice_report(disabled: bool) -> ChoiceReport:
+    """The user's choice, where it came from, and whether it can serve on this machine."""
+    import torch
+
+    from mla_prefill_ext.backends.base import R1_MLA_DIMS
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup
+    from mla_prefill_ext.selector import (
+        MLAPrefillSelectorConfig,
+        current_device_capability,
+        requested_choice,
+        select,
+    )
+
+    cap = current_device_capability()
+    config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *R1_MLA_DIMS)
+    choice = requested_choice(None)
+    findings: list[Finding] = []
+    info: dict[str, Any] = {
+        "requested": "AUTO" if choice is None else choice.name,
+        "source": "automatic" if choice is None else choice.source,
+        "capability": cap_json(cap),
+        "selected_here": None,
+        "selected_by_claim": False,
+        "error": None,
+    }
+    try:
+        if choice is not None:
+            try:
+                lookup(choice.name)
+            except ValueError:
+                names = ", ".join(MLAPrefillBackendEnum.__members__)
+                raise ValueError(
+                    f"{choice.source} is set to {choice.name!r}, which is not a backend name; "
+                    f"the names are {names} (any case), or auto"
+                ) from None
+        selection = select(cap, config, choice)
+    except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
+        info["error"] = str(e)
+        message = str(e) if isinstance(e, ValueError) else f"Automatic selection fails: {e}"
+        findings.append(Finding("problem", message if message.endswith(".") else f"{message}."))
+    else:
+        info["selected_here"] = selection.name
+        info["selected_by_claim"] = (
+            chosen_automatically(selection.source) and MLAPrefillBackendEnum[selection.name].value is None
+        )
+    if disabled and choice is not None:
+        findings.append(
+            Finding("problem", f"{choice.source} has no effect: the add-on is disabled, so vLLM runs stock.")
+        )
+    return ChoiceReport(info, findings)
+
+
+@dataclass
+class InfoReport(Report):
+    """Everything ``info`` found, rendered once as text or as JSON."""
+
+    host: Host
+    version_reason: str | None  # why this vLLM is not supported (None: it is)
+    disabled: bool
+    active: bool
+    patched: bool
+    skipped_reason: str | None
+    mla_module: str
+    targets: list[Any]  # patches.targets.TargetStatus
+    platform: dict[str, Any]
+    choice: ChoiceReport
+    backends: list[dict[str, Any]]
+    entry_points: list[dict[str, Any]]
+    environment: dict[str, str | None]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "problem"]
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        return EXIT_PROBLEM if self.problems else EXIT_OK
+
+    def verdict(self) -> str:
+        from mla_prefill_ext.settings import BACKEND_ENV
+
+        problems = self.problems
+        if problems:
+            return f"{len(problems)} problem{'s' if len(problems) > 1 else ''} found (see the findings)."
+        if self.disabled:
+            return "ok: the add-on is disabled, as set; vLLM runs its stock MLA prefill."
+        if self.platform["served"] is False:
+            return (
+                "ok: the add-on is active and vLLM's MLA layer is patched; on this platform vLLM's own "
+                f"MLA prefill stays unless a backend is chosen explicitly ({BACKEND_ENV})."
+            )
+        return "ok: the add-on is active and vLLM's MLA layer is patched."
+
+    def to_json(self) -> dict[str, Any]:
+        import platform
+
+        import mla_prefill_ext
+
+        return {
+            "package_version": mla_prefill_ext.__version__,
+            "python_version": platform.python_version(),
+            "vllm_version": self.host.vllm_version,
+            "vllm_supported": self.version_reason is None,
+            "supported_range": supported_range(),
+            "torch_version": self.host.torch_version,
+            "disabled_by_env": self.disabled,
+            "active": self.active,
+            "patched": self.patched,
+            "skipped_reason": self.skipped_reason,
+            "platform": self.platform,
+            "targets": [
+                {"target": t.path, "role": "wraps" if t.wrapped else "reads", "problem": t.problem}
+                for t in self.targets
+            ],
+            "choice": self.choice.info,
+            "backends": self.backends,
+            "backend_packages": self.entry_points,
+            "environment": self.environment,
+            "findings": [f._asdict() for f in self.findings],
+            "verdict": "problem" if self.problems else "ok",
+            "exit_code": self.exit_code,
+        }
+
+    def _addon_line(self) -> str:
+        from mla_prefill_ext.settings import DISABLE_ENV
+
+        if self.disabled:
+            state = f"disabled by {DISABLE_ENV}; vLLM runs its stock MLA prefill"
+        elif self.patched:
+            state = "active; vLLM's MLA layer is patched"
+        elif self.active:
+            state = "active, but vLLM's MLA layer is not patched (see the findings)"
+        else:
+            state = "not active (see the findings)"
+        return f"add-on: {state}"
+
+    def text_lines(self) -> list[str]:
+        vllm_state = "supported" if self.version_reason is None else "NOT supported"
+        return [
+            header(),
+            f"vLLM {self.host.vllm_version}: {vllm_state} (the add-on supports {supported_range()})",
+            f"PyTorch {self.host.torch_version}",
+            self._addon_line(),
+            runtime.platform_line(self.platform, self.patched and not self.disabled, self.disabled),
+            f"patch targets in {self.mla_module} (the add-on wraps or reads each):",
+            *(
+                f"  {'ok     ' if t.ok else 'PROBLEM'}  {'wraps' if t.wrapped else 'reads'}  {t.path}"
+                + (f": {t.problem}" if t.problem else "")
+                for t in self.targets
+            ),
+            *self.choice.text_lines(),
+            "backends:",
+            *(registrations.backend_line(b) for b in self.backends),
+            *(registrations.entry_point_line(e) for e in self.entry_points if e["problem"]),
+            "environment:",
+            *(f"  {k}={v if v is not None else '(unset)'}" for k, v in self.environment.items()),
+            "findings:" if self.findings else "findings: none",
+            *(f"  {'PROBLEM' if f.level == 'problem' else 'note   '}  {f.message}" for f in self.findings),
+            f"verdict: {self.verdict()}",
+        ]
+
+
+def cmd_info(args: argparse.Namespace) -> Report:
+    host = probe_host()
+    if host.problems:
+        return CannotCheck("info", host)
+
+    import mla_prefill_ext
+    from mla_prefill_ext import activation, patches
+    from mla_prefill_ext.patches.targets import inspect_targets
+    from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV
+
+    findings: list[Finding] = []
+    version_reason = unsupported_reason(host.vllm_version)
+    if version_reason is not None:
+        findings.append(
+            Finding(
+                "problem",
+                f"{version_reason}: the add-on patches nothing here and vLLM runs its stock MLA "
+                f"prefill; {install_hint()}.",
+            )
+        )
+    disabled = activation.is_disabled()
+    if disabled:
+        findings.append(
+            Finding(
+                "note",
+                f"{DISABLE_ENV} is set: the add-on is off in every process and vLLM runs "
+                "its stock MLA prefill.",
+            )
+        )
+
+    # What vLLM's plugin loader does in each of its processes, then the patch lands
+    # (post-import hook) when the MLA module is imported. A refusal is a finding.
+    refusals: list[str] = []
+    try:
+        mla_prefill_ext.activate()
+    except RuntimeError as e:
+        refusals.append(str(e))
+    mla_module = None
+    try:
+        mla_module = importlib.import_module(patches.MLA_MODULE)
+    except RuntimeError as e:
+        refusals.append(str(e))
+        mla_module = sys.modules.get(patches.MLA_MODULE)
+    except Exception as e:
+        findings.append(
+            Finding("problem", f"vLLM's MLA module {patches.MLA_MODULE} cannot be imported ({e}).")
+        )
+    findings += [Finding("problem", r if r.endswith(".") else f"{r}.") for r in dict.fromkeys(refusals)]
+
+    st = patches.state()
+    targets = st.targets or (inspect_targets(mla_module) if mla_module is not None else [])
+    patched = st.instrumented
+    if not disabled and not patched and version_reason is None and not refusals and mla_module is not None:
+        findings.append(
+            Finding(
+                "problem",
+                f"vLLM's MLA layer is not patched ({st.skipped_reason or 'the add-on is not active'}).",
+            )
+        )
+
+    platform_info, platform_findings = runtime.platform_report()
+    findings += platform_findings
+    choice = choice_report(disabled)
+    findings += choice.findings
+    findings += registrations.overrides_findings(os.environ.get(OVERRIDES_ENV))
+    entry_points, entry_point_findings = registrations.entry_point_rows()
+    findings += entry_point_findings
+    backends, backend_findings = registrations.backend_rows()
+    findings += backend_findings
+    findings += runtime.bytecode_findings()
+
+    return InfoReport(
+        host=host,
+        version_reason=version_reason,
+        disabled=disabled,
+        active=activation.is_active(),
+        patched=patched,
+        skipped_reason=st.skipped_reason,
+        mla_module=patches.MLA_MODULE,
+        targets=targets,
+        platform=platform_info,
+        choice=choice,
+        backends=backends,
+        entry_points=entry_points,
+        environment={name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)},
+        findings=findings,
+    )

@@ -1,0 +1,175 @@
+"""What ``info`` reports of the registry: every backend, the installed packages, their claims."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mla_prefill_ext.cli.common import Finding, claim_text
+
+
+def overrides_findings(raw: str | None) -> list[Finding]:
+    """What is wrong with the registrations handed over in the environment."""
+    from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
+
+    if not raw:
+        return []
+    example = '\'{"CUSTOM": "my_package.my_module.MyBackend"}\''
+    try:
+        payload = json.loads(raw)
+    except ValueError as e:
+        return [
+            Finding(
+                "problem",
+                f"{OVERRIDES_ENV} is not valid JSON ({e}), so none of its registrations is in force. "
+                f"It takes a JSON object of backend names and class paths, e.g. {example}.",
+            )
+        ]
+    if not isinstance(payload, dict):
+        return [
+            Finding(
+                "problem",
+                f"{OVERRIDES_ENV} is a JSON {type(payload).__name__}, not an object of backend names "
+                f"and class paths (e.g. {example}), so it is ignored.",
+            )
+        ]
+    findings = []
+    for name, path in payload.items():
+        if not isinstance(path, str):
+            findings.append(
+                Finding(
+                    "problem",
+                    f"{OVERRIDES_ENV} entry {name!r} is ignored: its class path must be a string, "
+                    f"not {path!r}.",
+                )
+            )
+        elif name not in MLAPrefillBackendEnum.__members__:
+            findings.append(
+                Finding(
+                    "problem",
+                    f"{OVERRIDES_ENV} entry {name!r} is ignored: it is not a usable backend name "
+                    "(use an identifier such as MY_PREFILL, not a reserved name).",
+                )
+            )
+    return findings
+
+
+def entry_point_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
+    """Installed backend packages (entry points): registered, or why not."""
+    from mla_prefill_ext.discovery import ENTRY_POINT_GROUP, discover
+
+    rows, findings = [], []
+    for ep in discover():
+        rows.append(ep._asdict())
+        if ep.problem:
+            package = f" of package {ep.distribution}" if ep.distribution else ""
+            findings.append(
+                Finding(
+                    "problem",
+                    f"The {ENTRY_POINT_GROUP} entry point {ep.name} = '{ep.value}'{package} is not "
+                    f"used: {ep.problem.rstrip('.')}.",
+                )
+            )
+    return rows, findings
+
+
+def entry_point_line(row: dict[str, Any]) -> str:
+    """The ``backends:`` line of an installed package's entry point that is not used."""
+    return (
+        f"  PROBLEM  entry point {row['name']} = '{row['value']}' (package {row['distribution'] or '?'}): "
+        "not used (see the findings)"
+    )
+
+
+def _claim_row(member: Any, cls: type, cap: Any) -> tuple[dict[str, Any] | None, Finding | None]:
+    """A backend's claim on automatic selection, and whether it applies on this device."""
+    from mla_prefill_ext.backends.base import AutoSelectClaim
+
+    raw = getattr(cls, "auto_select_claim", None)
+    try:
+        claim = AutoSelectClaim.of(raw)
+    except (TypeError, ValueError) as e:
+        message = (
+            f"MLA prefill backend {member.name} has an invalid auto_select_claim ({e}), so automatic "
+            "selection fails; give an AutoSelectClaim or a dict with 'capabilities' and 'before'."
+        )
+        row = {"capabilities": None, "before": None, "applies_here": False, "ignored": None, "error": str(e)}
+        return row, Finding("problem", message)
+    if claim is None:
+        return None, None
+    row: dict[str, Any] = {
+        "capabilities": list(claim.capabilities),
+        "before": claim.before,
+        "applies_here": False,
+        "ignored": None,
+        "error": None,
+    }
+    if member.value is not None:
+        row["ignored"] = "built-in backends keep their own place in automatic selection"
+    else:
+        row["applies_here"] = claim.matches(cap)
+    return row, None
+
+
+def backend_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
+    """Every backend name with its class path, where it comes from, whether that class loads,
+    and its claim on automatic selection (with whether it applies on this device)."""
+    from mla_prefill_ext.registry import registered_backends
+    from mla_prefill_ext.selector import current_device_capability
+
+    cap = current_device_capability()
+    rows, findings = [], []
+    for member, path in registered_backends():
+        source = member.source()  # built-in, registered by call, entry point of package X, not registered
+        if path is None:
+            kind = "placeholder for your own backend" if member.name == "CUSTOM" else source
+        elif member.value is not None and member.is_overridden():
+            kind = f"built-in, overridden: {source}"
+        else:
+            kind = source
+        error = claim = None
+        if path is not None:
+            try:
+                cls = member.get_class()
+            except Exception as e:  # ImportError/TypeError/ValueError, or whatever the module raises
+                error = str(e).rstrip(".")
+                if not error.startswith(f"MLA prefill backend {member.name}"):
+                    error = f"MLA prefill backend {member.name} cannot be loaded: {error}"
+                findings.append(Finding("problem", f"{error}."))
+            else:
+                claim, claim_finding = _claim_row(member, cls, cap)
+                if claim_finding is not None:
+                    findings.append(claim_finding)
+        rows.append(
+            {
+                "name": member.name,
+                "kind": kind,
+                "overridden": member.is_overridden(),
+                "class_path": path,
+                "loads": None if path is None else error is None,
+                "error": error,
+                "claim": claim,
+            }
+        )
+    return rows, findings
+
+
+def backend_line(b: dict[str, Any]) -> str:
+    """One backend's line under ``backends:``."""
+    kind = b["kind"]
+    if b["class_path"] is None:
+        return f"  -        {b['name']} ({kind}): not registered"
+    if not b["loads"]:
+        return f"  PROBLEM  {b['name']} ({kind}): {b['class_path']} (see the findings)"
+    claim = b["claim"]
+    if claim is None:
+        return f"  ok       {b['name']} ({kind}): {b['class_path']}"
+    if claim["error"] is not None:
+        return f"  PROBLEM  {b['name']} ({kind}): {b['class_path']}; invalid claim (see the findings)"
+    if claim["ignored"]:
+        where = f"ignored: {claim['ignored']}"
+    elif claim["applies_here"]:
+        where = "applies on this device"
+    else:
+        where = "does not apply on this device"
+    return f"  ok       {b['name']} ({kind}): {b['class_path']}; {claim_text(claim)} ({where})"
