@@ -75,11 +75,13 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
             _discover_installed()  # an installed package of this name may not be discovered yet
             path = self._path_in_force()
         if not path:
+            example = f'{{"{self.name}": "your.module.YourBackend"}}'
             raise ValueError(
                 f"MLA prefill backend {self.name} must be registered before use: call "
                 f"register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name}, "
                 "'your.module.YourBackend') or decorate your MLAPrefillBackend subclass "
-                f"with @register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name})"
+                f"with @register_mla_prefill_backend(MLAPrefillBackendEnum.{self.name}), "
+                f"or set {OVERRIDES_ENV}='{example}' in the environment"
             )
         return path
 
@@ -105,6 +107,8 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
     def source(self) -> str:
         """Where the class path in force comes from (for diagnostics)."""
         with _LOCK:
+            if self.name in _FROM_ENVIRONMENT:
+                return f"registered in {OVERRIDES_ENV}"
             if self.name in _OVERRIDES:
                 return "registered by call"
             if self.name in _ENTRY_POINTS:
@@ -119,6 +123,7 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
         """Forget a registration for this member (built-ins revert to their default)."""
         with _LOCK:
             _OVERRIDES.pop(self.name, None)
+            _FROM_ENVIRONMENT.discard(self.name)
             _mirror_to_environment()
         _changed()
 
@@ -136,6 +141,9 @@ _LOCK = threading.RLock()
 # name -> class path. Keyed by name, not member, so the environment round-trip
 # and dynamically added members need no second lookup table.
 _OVERRIDES: dict[str, str] = {}
+# The names of _OVERRIDES that this process took from the environment (registered by a parent
+# process, or set by the user), not by a call here: for diagnostics.
+_FROM_ENVIRONMENT: set[str] = set()
 # name -> (class path, distribution): installed backend packages (see mla_prefill_ext.discovery).
 # Not mirrored to the environment: each process discovers its own installed packages.
 _ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
@@ -324,6 +332,7 @@ def _set_override(member: MLAPrefillBackendEnum, class_path: str) -> None:
     _warn_if_main(member.name, class_path)
     with _LOCK:
         _OVERRIDES[member.name] = class_path
+        _FROM_ENVIRONMENT.discard(member.name)
         _mirror_to_environment()
     _changed()
     logger.info("Registered MLA prefill backend %s -> %s", member.name, class_path)
@@ -442,6 +451,7 @@ def _apply_environment() -> None:
                 logger.error("Ignoring %s entry %r: %s", OVERRIDES_ENV, name, e)
                 continue
             _OVERRIDES[member.name] = path
+            _FROM_ENVIRONMENT.add(member.name)
 
 
 _apply_environment()

@@ -148,10 +148,14 @@ def select(
         cls, reasons = check_backend(member, capability, config)
         if not reasons and cls is not None:
             return Selection(cls, member.name, choice.source, capability, config)
-        message = (
-            f"MLA prefill backend {member.name} (from {choice.source}) cannot serve "
-            f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
-        )
+        if cls is None:  # its class did not load: say so, not that the device cannot serve it
+            detail = "; ".join(reasons).removeprefix(f"MLA prefill backend {member.name}").lstrip(": ")
+            message = f"MLA prefill backend {member.name} (from {choice.source}) cannot be loaded: {detail}"
+        else:
+            message = (
+                f"MLA prefill backend {member.name} (from {choice.source}) cannot serve "
+                f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
+            )
         if choice.explicit:
             raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
         logger.warning("%s. Falling back to automatic selection.", message)

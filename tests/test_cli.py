@@ -217,7 +217,10 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
         ["check", "--backend", "CUSTOM", "--repeat", "1"],
         {"MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": "readme_backend.MyPrefill"}'},
     ),
-    "check_unknown_backend": (["check", "--backend", "nope"], {}),
+    "check_unknown_backend": (["check", "--backend", "nope", "--json"], {}),
+    # The add-on switched off: select and check still answer, and say so.
+    "select_disabled_json": (["select", "--json"], {"MLA_PREFILL_EXT_DISABLE": "1"}),
+    "check_disabled": (["check", "--repeat", "1"], {"MLA_PREFILL_EXT_DISABLE": "1"}),
     "check_broken": (
         ["check", "--backend", "BROKEN", "--repeat", "1", "--json"],
         {"MLA_PREFILL_BACKEND_OVERRIDES": '{"BROKEN": "broken_backend.Broken"}'},
@@ -317,6 +320,27 @@ def test_bad_flags_print_the_usage_line_and_exit_2(args: list[str], says: str) -
     proc = run(*args, env=cli_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("usage: mla-prefill-ext"), proc.stderr
+    assert says in proc.stderr
+    assert_no_traceback(proc)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["select", "--capability", "99.9", "--json"], "argument --capability: expected a CUDA"),
+        (["select", "--json", "--dims", "1,2"], "argument --dims: expected 'r1'"),
+        (["info", "--json", "--verbose"], "unrecognized arguments: --verbose"),
+        (["check", "--json", "--repeat", "0"], "argument --repeat: expected a whole number of at least 1"),
+    ],
+)
+def test_with_json_a_usage_error_is_json_on_stdout(args: list[str], says: str) -> None:
+    """Scripts parse stdout: a usage error there is JSON too (and the usage line stays on stderr)."""
+    proc = run(*args, env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["error"].startswith(says) and report["exit_code"] == 2
+    # The usage line argparse prints on stderr (the subcommand's, or the program's where it gives that).
+    assert report["usage"].startswith("usage: mla-prefill-ext") and proc.stderr.startswith(report["usage"])
     assert says in proc.stderr
     assert_no_traceback(proc)
 
@@ -447,6 +471,8 @@ def test_info_reports_bad_settings_and_tries_every_registration(slow: dict[str, 
         "does not implement get_name, run_prefill_context_chunk, run_prefill_new_tokens"
         in (backends["CUSTOM"]["error"])
     )
+    # Registrations in this process come from the environment variable, not from a call.
+    assert backends["CUSTOM"]["kind"] == "registered in MLA_PREFILL_BACKEND_OVERRIDES"
     assert backends["MINE"]["loads"] is False
     assert "'Foo' is not of the form 'package.module.ClassName'" in backends["MINE"]["error"]
     messages = [f["message"] for f in report["findings"]]
@@ -494,17 +520,21 @@ def test_check_never_crashes_on_a_backend_that_cannot_run(slow: dict[str, Any]) 
     proc = slow["check_abstract"]
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     assert_no_traceback(proc)
-    assert proc.stdout.startswith("FAIL: MLA prefill backend CUSTOM (from --backend) cannot serve")
-    assert "does not implement get_name, run_prefill_context_chunk, run_prefill_new_tokens" in proc.stdout
+    assert proc.stdout.startswith(
+        "FAIL: MLA prefill backend CUSTOM (from --backend) cannot be loaded: 'readme_backend.MyPrefill' "
+        "cannot be instantiated: it does not implement get_name, run_prefill_context_chunk, "
+        "run_prefill_new_tokens"
+    )
 
-    proc = slow["check_unknown_backend"]
+    proc = slow["check_unknown_backend"]  # with --json: the usage error is JSON on stdout too
     assert proc.returncode == 2, proc.stdout + proc.stderr[-4000:]
     assert_no_traceback(proc)
     assert "usage: mla-prefill-ext check" in proc.stderr
-    assert (
-        "argument --backend: Unknown MLA prefill backend: 'nope'. Valid options are: FLASH_ATTN"
-        in proc.stderr
-    )
+    message = "argument --backend: Unknown MLA prefill backend: 'nope'. Valid options are: FLASH_ATTN"
+    assert message in proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["error"].startswith(message) and report["exit_code"] == 2
+    assert report["usage"].startswith("usage: mla-prefill-ext check")
 
     proc = slow["check_broken"]
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
@@ -513,6 +543,25 @@ def test_check_never_crashes_on_a_backend_that_cannot_run(slow: dict[str, Any]) 
     assert report["ok"] is False and report["backend"] == "BROKEN"
     assert report["dtype"] == "bfloat16"  # the plain check's default (--conformance: every dtype)
     assert report["error"] == "backend BROKEN failed: RuntimeError: kernel exploded (at broken_backend.py:11)"
+
+
+def test_select_and_check_say_when_the_add_on_is_off(slow: dict[str, Any]) -> None:
+    note = (
+        "note: the add-on is off (MLA_PREFILL_EXT_DISABLE is set): vLLM runs its stock MLA prefill in "
+        "every process; "
+    )
+    proc = slow["select_disabled_json"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["disabled_by_env"] is True and report["selected"]
+    proc = slow["check_disabled"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == note + (
+        "this check runs the backend directly; vLLM would not use it while the add-on is off."
+    )
+    assert lines[-1] == "PASS"
 
 
 # check --conformance: the conformance suite (mla_prefill_ext.testing)
@@ -683,10 +732,21 @@ def test_info_notes_modules_compiled_from_source_in_every_process(tmp_path: Path
     assert _bytecode_findings({"pkg": str(pkg)}, can_write=True) == []
     # It may not, and there is none: every process compiles these modules.
     (note,) = _bytecode_findings({"pkg": str(pkg)}, can_write=False)
-    assert note.level == "note" and "pkg have modules without bytecode" in note.message
-    assert f"-m compileall -q {pkg}" in note.message
+    assert note.level == "note" and "pkg has modules without bytecode" in note.message
+    assert note.message.endswith(f"-m compileall -q {pkg}")
     # Compiled once (as pip does unless --no-compile): nothing to say.
     assert compileall.compile_dir(str(pkg), quiet=1)
     assert _bytecode_findings({"pkg": str(pkg)}, can_write=False) == []
     (pkg / "late.py").write_text("Z = 3\n")  # one module left without bytecode is enough
     assert len(_bytecode_findings({"pkg": str(pkg)}, can_write=False)) == 1
+    # The command names every folder, as the README's does: the add-on's and wrapt's.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "__init__.py").write_text("W = 4\n")
+    assert compileall.compile_dir(str(other), quiet=1)
+    (note,) = _bytecode_findings({"pkg": str(pkg), "other": str(other)}, can_write=False)
+    assert "pkg has modules without bytecode" in note.message
+    assert note.message.endswith(f"-m compileall -q {pkg} {other}")
+    (other / "late.py").write_text("V = 5\n")
+    (note,) = _bytecode_findings({"pkg": str(pkg), "other": str(other)}, can_write=False)
+    assert "pkg and other have modules without bytecode" in note.message

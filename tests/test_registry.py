@@ -86,6 +86,8 @@ def test_unregistered_custom_explains_how_to_register() -> None:
     with pytest.raises(ValueError, match="register_mla_prefill_backend") as info:
         E.CUSTOM.get_path()
     assert "CUSTOM" in str(info.value)
+    # The environment variable is a way too (a CLI run or a process started by hand).
+    assert f"""or set {OVERRIDES_ENV}='{{"CUSTOM": "your.module.YourBackend"}}'""" in str(info.value)
     with pytest.raises(ValueError, match="register_mla_prefill_backend"):
         E.CUSTOM.get_class()
 

@@ -265,8 +265,25 @@ def test_explicit_unknown_name_lists_valid_names(r1: Path, clean_selection: pyte
 
 
 def test_explicit_unregistered_custom_says_how_to_register(r1: Path) -> None:
-    with pytest.raises(ValueError, match="register_mla_prefill_backend"):
+    with pytest.raises(ValueError, match="register_mla_prefill_backend") as info:
         selector.get_mla_prefill_backend(config(r1, "CUSTOM"))
+    assert str(info.value).startswith(
+        "MLA prefill backend CUSTOM (from additional_config['mla_prefill_backend']) cannot be loaded: "
+        "must be registered before use: call register_mla_prefill_backend("
+    )
+
+
+def test_explicit_choice_whose_class_does_not_import_says_so() -> None:
+    """A class path that does not import is not a device problem: no "cannot serve (no GPU, ...)"."""
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "nowhere_pkg.NoBackend")
+    choice = selector.Choice("CUSTOM", "MLA_PREFILL_BACKEND", True)
+    with pytest.raises(ValueError) as info:
+        selector.select(None, R1_BF16, choice)
+    assert str(info.value) == (
+        "MLA prefill backend CUSTOM (from MLA_PREFILL_BACKEND) cannot be loaded: cannot import "
+        "'nowhere_pkg.NoBackend': No module named 'nowhere_pkg'. Choose another backend or unset "
+        "MLA_PREFILL_BACKEND."
+    )
 
 
 def test_automatic_with_nothing_valid_lists_every_backend() -> None:

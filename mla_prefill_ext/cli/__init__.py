@@ -20,11 +20,12 @@ the command line: each command checks that they import before it uses them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from mla_prefill_ext.cli.check import DEFAULT_CHECK_DTYPE, DEFAULT_CHECK_REPEAT, cmd_check
 from mla_prefill_ext.cli.common import (
@@ -61,6 +62,20 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Report]] = {
     "select": cmd_select,
     "check": cmd_check,
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; with ``json_errors``, a usage error is also JSON on stdout for scripts."""
+
+    def __init__(self, *args: Any, json_errors: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.json_errors = json_errors
+
+    def error(self, message: str) -> NoReturn:
+        if self.json_errors:
+            usage = self.format_usage().strip()
+            print(json.dumps({"error": message, "usage": usage, "exit_code": EXIT_CANNOT_CHECK}, indent=2))
+        super().error(message)  # the usage line and the message on stderr, exit code 2
 
 
 # Command-line values, checked while parsing (argparse prints the usage line and exits 2)
@@ -121,8 +136,10 @@ def _version_line() -> str:
     return f"{PROG} {mla_prefill_ext.__version__} (an add-on for {supported_range()})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """The parser; ``json_errors``: usage errors are also printed as JSON on stdout (``--json``)."""
+    parser = _Parser(
+        json_errors=json_errors,
         prog=PROG,
         description="Diagnostics for the pluggable MLA prefill backends this add-on brings to vLLM 0.20.x.",
         epilog="Exit codes: 0 all is well, 1 a problem was found, 2 the check could not run "
@@ -133,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "info",
+        json_errors=json_errors,
         help="check the installation: vLLM, the patch, the backend choice, the registrations",
         description="Check the installation: the vLLM version and whether the add-on supports it, "
         "the patch and each of its targets, the backend choice and whether it can serve on this "
@@ -142,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "select",
+        json_errors=json_errors,
         help="which backend would serve, and why each other would not",
         description="Which MLA prefill backend would serve a model on this machine (or on the "
         "given one), and why each other backend would not.",
@@ -173,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check",
+        json_errors=json_errors,
         help="run one MLA prefill through the selected backend against a float64 reference "
         "(or, with --conformance, the conformance suite)",
         description="Run one MLA prefill (new tokens plus two context chunks, DeepSeek-V2-Lite "
@@ -231,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # --json may come after the flag that is wrong: look for it before parsing.
+    args = build_parser(json_errors="--json" in argv).parse_args(argv)
     # vLLM logs to stdout by default; keep stdout for the report (and valid JSON).
     # Set before vLLM is first imported, which configures its logging once.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

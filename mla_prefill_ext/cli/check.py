@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,16 +16,17 @@ from mla_prefill_ext.cli.common import (
     EXIT_PROBLEM,
     CannotCheck,
     Report,
-    Stopped,
     backend_choice,
     cap_json,
     cap_str,
     chosen_automatically,
     describe_exception,
+    disabled_lines,
     dtype,
     note_unsupported,
     probe_host,
 )
+from mla_prefill_ext.settings import is_disabled
 
 DEFAULT_CHECK_REPEAT = 5
 DEFAULT_CHECK_DTYPE = "bfloat16"  # check's dtype; check --conformance runs every dtype in DTYPES
@@ -39,10 +41,39 @@ CHECK_DIMS = (128, 64, 128)
 
 
 @dataclass
-class PrefillCheck(Report):
+class CheckReport(Report):
+    """What every ``check`` report holds: the facts known (device, dtype, backend, ...)."""
+
+    facts: dict[str, Any]
+
+    def text_lines(self) -> list[str]:
+        consequence = "this check runs the backend directly; vLLM would not use it while the add-on is off"
+        return [*disabled_lines(self.facts["disabled_by_env"], consequence), *self.body_lines()]
+
+    @abstractmethod
+    def body_lines(self) -> list[str]:
+        """The report's own lines."""
+
+
+@dataclass
+class Stopped(CheckReport):
+    """A check that stopped with one message: ``FAIL`` (exit code 1) or ``cannot check`` (2)."""
+
+    message: str
+    exit_code: int = EXIT_PROBLEM
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.facts, "ok": False, "error": self.message}
+
+    def body_lines(self) -> list[str]:
+        label = "FAIL" if self.exit_code == EXIT_PROBLEM else "cannot check"
+        return [f"{label}: {self.message}"]
+
+
+@dataclass
+class PrefillCheck(CheckReport):
     """One prefill through a backend, compared with the float64 reference, and timed."""
 
-    facts: dict[str, Any]  # device, capability, dtype, backend
     capability: Any
     class_path: str
     source: str
@@ -90,7 +121,7 @@ class PrefillCheck(Report):
             "tflops": self.flops / self.median / 1e12,
         }
 
-    def text_lines(self) -> list[str]:
+    def body_lines(self) -> list[str]:
         f = self.facts
         return [
             f"backend: {f['backend']} ({self.class_path}, {self.source})",
@@ -107,10 +138,9 @@ class PrefillCheck(Report):
 
 
 @dataclass
-class ConformanceCheck(Report):
+class ConformanceCheck(CheckReport):
     """The conformance suite's report on one backend, with which backend and why that one."""
 
-    facts: dict[str, Any]  # mode, device, capability, dtypes, seed, backend, source
     report: Any  # mla_prefill_ext.testing's ConformanceReport
 
     @property
@@ -120,7 +150,7 @@ class ConformanceCheck(Report):
     def to_json(self) -> dict[str, Any]:
         return {**self.report.to_dict(), **self.facts, "get_name": self.report.backend}
 
-    def text_lines(self) -> list[str]:
+    def body_lines(self) -> list[str]:
         name, source = self.facts["backend"], self.facts["source"]
         where = "selected automatically here" if chosen_automatically(source) else f"from {source}"
         named = "" if self.report.backend == name else f"; its get_name() is {self.report.backend}"
@@ -159,7 +189,12 @@ def _check_prefill(args: argparse.Namespace, vllm_version: str | None) -> Report
     dt = dtype(args.dtype or DEFAULT_CHECK_DTYPE)
     cap = current_device_capability() if device == "cuda" else None
     config = MLAPrefillSelectorConfig.from_dims(dt, *CHECK_DIMS)
-    facts = {"device": device, "capability": cap_json(cap), "dtype": str(dt).removeprefix("torch.")}
+    facts = {
+        "device": device,
+        "capability": cap_json(cap),
+        "dtype": str(dt).removeprefix("torch."),
+        "disabled_by_env": is_disabled(),
+    }
     try:
         selection = select(cap, config, choice)
     except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
@@ -238,6 +273,7 @@ def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Re
         "capability": cap_json(cap),
         "dtypes": [args.dtype] if args.dtype else list(DTYPES),
         "seed": args.seed,
+        "disabled_by_env": is_disabled(),
     }
     # The backend: --backend (a name, checked while parsing, or a class path), else the one the
     # selector picks here (MLA_PREFILL_BACKEND, else automatic) for a DeepSeek-R1 model.

@@ -183,6 +183,18 @@ def chosen_automatically(source: str) -> bool:
     return source == "automatic"
 
 
+def disabled_lines(disabled: bool, consequence: str) -> list[str]:
+    """The note select and check print first when the add-on is off (none when it is on)."""
+    if not disabled:
+        return []
+    from mla_prefill_ext.settings import DISABLE_ENV
+
+    return [
+        f"note: the add-on is off ({DISABLE_ENV} is set): vLLM runs its stock MLA prefill in every "
+        f"process; {consequence}."
+    ]
+
+
 def note_unsupported(host: Host) -> None:
     """select and check still run on an unsupported vLLM (vLLM's own code is not used): say so."""
     from mla_prefill_ext.patches.version import unsupported_reason
@@ -199,22 +211,6 @@ def describe_exception(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {e}{where}"
-
-
-@dataclass
-class Stopped(Report):
-    """A command that stopped with one message: ``FAIL`` (exit code 1) or ``cannot check`` (2)."""
-
-    facts: dict[str, Any]  # what was known when it stopped (device, dtype, backend, ...)
-    message: str
-    exit_code: int = EXIT_PROBLEM
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.facts, "ok": False, "error": self.message}
-
-    def text_lines(self) -> list[str]:
-        label = "FAIL" if self.exit_code == EXIT_PROBLEM else "cannot check"
-        return [f"{label}: {self.message}"]
 
 
 # Devices, dtypes, dims and the backend choice, from parsed flags

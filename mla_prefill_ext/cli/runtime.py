@@ -51,11 +51,13 @@ def bytecode_findings(packages: dict[str, str] | None = None, can_write: bool | 
     ]
     if not missing:
         return []
-    folders = " ".join(packages[name] for name in missing)
+    # Every folder, as the README's command has it: compiling what has bytecode costs nothing.
+    folders = " ".join(packages.values())
+    have = "has" if len(missing) == 1 else "have"
     return [
         Finding(
             "note",
-            f"{' and '.join(missing)} have modules without bytecode and this Python may not write it "
+            f"{' and '.join(missing)} {have} modules without bytecode and this Python may not write it "
             "(PYTHONDONTWRITEBYTECODE): every vLLM process compiles them from source, which adds "
             f"milliseconds to each start-up. Compile them once: {sys.executable} -m compileall -q {folders}",
         )

@@ -18,10 +18,12 @@ from mla_prefill_ext.cli.common import (
     chosen_automatically,
     claim_text,
     dims,
+    disabled_lines,
     dtype,
     note_unsupported,
     probe_host,
 )
+from mla_prefill_ext.settings import is_disabled
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SelectReport(Report):
     selected: str | None
     error: str | None
     candidates: list[dict[str, Any]]
+    disabled: bool  # MLA_PREFILL_EXT_DISABLE is set: vLLM would not use the selection
 
     @property
     def selected_by_claim(self) -> bool:
@@ -66,6 +69,7 @@ class SelectReport(Report):
             "selected_by_claim": self.selected_by_claim,
             "error": self.error,
             "candidates": self.candidates,
+            "disabled_by_env": self.disabled,
         }
 
     def text_lines(self) -> list[str]:
@@ -80,7 +84,9 @@ class SelectReport(Report):
             selected = [f"selected: {self.selected}{joined}"]
         else:
             selected = ["selected: none", f"error: {self.error}"]
+        consequence = "this is what the add-on would select if it were on"
         return [
+            *disabled_lines(self.disabled, consequence),
             f"capability {cap_str(self.capability)}, dtype {self.dtype}, DeepSeek-R1 MLA dims: "
             f"{'yes' if self.r1_dims else 'no'}",
             f"automatic order: {shown_order}",
@@ -154,4 +160,5 @@ def cmd_select(args: argparse.Namespace) -> Report:
         selected=chosen,
         error=error,
         candidates=candidates,
+        disabled=is_disabled(),
     )
