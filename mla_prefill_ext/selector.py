@@ -71,13 +71,15 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     """Registered out-of-tree backends that claim a place in automatic selection on this device.
 
     Backends registered by call (``CUSTOM`` or a new name) or installed through the
-    entry-point group; a class that does not load is left out, with a warning.
+    entry-point group; a class that does not load is left out, with a warning. In the
+    order of their names, so that claims at the same place are tried in that order in
+    every process, whenever each backend was registered or discovered.
     """
     from mla_prefill_ext import discovery
 
     discovery.discover()
     found = []
-    for member, path in registered_backends():
+    for member, path in sorted(registered_backends(), key=lambda entry: entry[0].name):
         if member.value is not None or not path:  # built-ins keep their own place
             continue
         try:

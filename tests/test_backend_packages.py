@@ -160,6 +160,27 @@ def test_claims_join_automatic_selection(site, claim, capability, expected):
     assert [m.name for m in selector.mla_prefill_backend_priorities(cap)] == expected
 
 
+def test_claims_at_one_place_go_in_name_order_whenever_each_was_registered(site):
+    """The tie rule: the same order in every process, whatever registered or discovered first.
+
+    FAKE_TIE_ZED is registered by call before discovery finds the installed FAKE_TIE_ALPHA (a
+    child process applies them the other way round: registrations from the environment, then
+    discovery); both claim the place before TORCH_SDPA on a CPU.
+    """
+    claim = 'AutoSelectClaim(("cpu",))'
+    install(
+        site,
+        "fakepkg-tie",
+        {"FAKE_TIE_ALPHA": "fakepkg_tie_alpha:FakeTieAlphaBackend"},
+        {"fakepkg_tie_alpha": fake_backend("FAKE_TIE_ALPHA", claim)},
+    )
+    (site / "fakepkg_tie_zed.py").write_text(textwrap.dedent(fake_backend("FAKE_TIE_ZED", claim)))
+    register_mla_prefill_backend("FAKE_TIE_ZED", "fakepkg_tie_zed.FakeTieZedBackend")
+    expected = ["FAKE_TIE_ALPHA", "FAKE_TIE_ZED", "TORCH_SDPA"]
+    assert [m.name for m in selector.mla_prefill_backend_priorities(None)] == expected
+    assert selector.select(None, R1_BF16).name == "FAKE_TIE_ALPHA"
+
+
 def test_explicit_choice_beats_a_claim_and_a_claim_beats_the_builtins(site, addon_log):
     import logging
 

@@ -115,6 +115,23 @@ class DemoClaimBackend(TorchSDPAPrefillBackend):
 """
 CLAIM_CLASS = "demo_claim_backend.DemoClaimBackend"
 
+# Two installed packages whose backends claim the same place (before FLASH_ATTN, or before
+# TORCH_SDPA where FLASH_ATTN is not in the device's list) on every device.
+RIVAL_BACKEND = """
+from mla_prefill_ext.backends.base import AutoSelectClaim
+from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+
+class Rival(TorchSDPAPrefillBackend):
+    auto_select_claim = AutoSelectClaim(("cpu", "7.x", "8.x", "9.x", "10.x", "12.x"))
+
+    @staticmethod
+    def get_name():
+        return "{name}"
+"""
+# Package names in the other order than backend names: the tie goes by backend name.
+RIVALS = {"aaa-rival": "RIVAL_ZED", "zzz-rival": "RIVAL_ALPHA"}
+
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -137,6 +154,13 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "[mla_prefill_ext.backends]\nDEMO_CLAIM = demo_claim_backend:DemoClaimBackend\n"
     )
     (claim_site / "demo_claim_backend.py").write_text(CLAIM_BACKEND)
+    for dist, name in RIVALS.items():
+        module = f"{dist.replace('-', '_')}_backend"
+        dist_info = root / "rival_packages" / f"{dist.replace('-', '_')}-0.1.dist-info"
+        dist_info.mkdir(parents=True)
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (dist_info / "entry_points.txt").write_text(f"[mla_prefill_ext.backends]\n{name} = {module}:Rival\n")
+        (root / "rival_packages" / f"{module}.py").write_text(RIVAL_BACKEND.replace("{name}", name))
     return root
 
 
@@ -236,6 +260,9 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "info_claim": (["info"], {}),
     "select_claim": (["select"], {}),
     "select_claim_json": (["select", "--capability", "cpu", "--json"], {}),
+    # Two installed packages claiming the same place.
+    "info_rivals_json": (["info", "--json"], {}),
+    "select_rivals": (["select", "--capability", "cpu"], {}),
 }
 # Extra PYTHONPATH entries per run: installed packages (in the harness), the mutants (tests/).
 SLOW_RUN_PATHS: dict[str, list[str]] = {
@@ -245,6 +272,8 @@ SLOW_RUN_PATHS: dict[str, list[str]] = {
     "info_claim": ["claim_packages"],
     "select_claim": ["claim_packages"],
     "select_claim_json": ["claim_packages"],
+    "info_rivals_json": ["rival_packages"],
+    "select_rivals": ["rival_packages"],
 }
 
 
@@ -717,6 +746,35 @@ def test_select_marks_a_backend_that_joined_by_its_claim(slow: dict[str, Any]) -
     assert "requested: AUTO (automatic)" in lines
     assert "selected: DEMO_CLAIM (it joined automatic selection by its claim)" in lines
     assert "  DEMO_CLAIM     valid" in lines
+
+
+def test_info_reports_packages_that_claim_the_same_place(slow: dict[str, Any]) -> None:
+    """Two installed packages claim the same place: info names both, which comes first and why."""
+    proc = slow["info_rivals_json"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    report = json.loads(proc.stdout)
+    place = "FLASH_ATTN" if cuda_here() else "TORCH_SDPA"  # FLASH_ATTN is in every GPU's list
+    assert report["competing_claims"] == [{"before": place, "order": ["RIVAL_ALPHA", "RIVAL_ZED"]}]
+    assert report["choice"]["selected_here"] == "RIVAL_ALPHA" and report["choice"]["selected_by_claim"]
+    notes = [f["message"] for f in report["findings"] if f["level"] == "note"]
+    assert (
+        "RIVAL_ALPHA (entry point of package zzz-rival) and RIVAL_ZED (entry point of package "
+        f"aaa-rival) claim the same place in automatic selection on this device, before {place}; "
+        "claims at one place are tried in the alphabetical order of the backends' names: RIVAL_ALPHA "
+        "comes first and serves every model it accepts, RIVAL_ZED serves only models RIVAL_ALPHA refuses."
+    ) in notes
+    assert report["verdict"] == "ok"  # two packages may claim one place: a note, not a problem
+
+    lines = slow["select_rivals"].stdout.splitlines()
+    assert lines[1:3] == [
+        "automatic order: RIVAL_ALPHA (claim: cpu, 7.x, 8.x, 9.x, 10.x, 12.x; before FLASH_ATTN) > "
+        "RIVAL_ZED (claim: cpu, 7.x, 8.x, 9.x, 10.x, 12.x; before FLASH_ATTN) > TORCH_SDPA",
+        "note: RIVAL_ALPHA (entry point of package zzz-rival) and RIVAL_ZED (entry point of package "
+        "aaa-rival) claim the same place in automatic selection without a GPU, before TORCH_SDPA; "
+        "claims at one place are tried in the alphabetical order of the backends' names: RIVAL_ALPHA "
+        "comes first and serves every model it accepts, RIVAL_ZED serves only models RIVAL_ALPHA refuses.",
+    ]
 
 
 def test_info_notes_modules_compiled_from_source_in_every_process(tmp_path: Path) -> None:

@@ -124,6 +124,7 @@ class InfoReport(Report):
     choice: ChoiceReport
     backends: list[dict[str, Any]]
     entry_points: list[dict[str, Any]]
+    competing_claims: list[dict[str, Any]]  # backends whose claims put them at one place here
     environment: dict[str, str | None]
     findings: list[Finding] = field(default_factory=list)
 
@@ -174,6 +175,7 @@ class InfoReport(Report):
             "choice": self.choice.info,
             "backends": self.backends,
             "backend_packages": self.entry_points,
+            "competing_claims": self.competing_claims,
             "environment": self.environment,
             "findings": [f._asdict() for f in self.findings],
             "verdict": "problem" if self.problems else "ok",
@@ -228,6 +230,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
     from mla_prefill_ext import activation, patches
     from mla_prefill_ext.patches.targets import inspect_targets
     from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext.selector import current_device_capability
     from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV
 
     findings: list[Finding] = []
@@ -289,6 +292,12 @@ def cmd_info(args: argparse.Namespace) -> Report:
     findings += entry_point_findings
     backends, backend_findings = registrations.backend_rows()
     findings += backend_findings
+    competing = registrations.competing_claims(current_device_capability())
+    sources = {b["name"]: b["kind"] for b in backends}
+    findings += [
+        Finding("note", registrations.competing_claims_text(group, sources, "on this device"))
+        for group in competing
+    ]
     findings += runtime.bytecode_findings()
 
     return InfoReport(
@@ -304,6 +313,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
         choice=choice,
         backends=backends,
         entry_points=entry_points,
+        competing_claims=competing,
         environment={name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)},
         findings=findings,
     )

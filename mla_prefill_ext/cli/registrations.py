@@ -173,3 +173,40 @@ def backend_line(b: dict[str, Any]) -> str:
     else:
         where = "does not apply on this device"
     return f"  ok       {b['name']} ({kind}): {b['class_path']}; {claim_text(claim)} ({where})"
+
+
+TIE_RULE = "claims at one place are tried in the alphabetical order of the backends' names"
+
+
+def competing_claims(cap: Any) -> list[dict[str, Any]]:
+    """Out-of-tree backends whose claims put them at the same place in automatic selection on
+    this device: ``{"before": place, "order": [first, second, ...]}`` for each such place."""
+    from mla_prefill_ext.selector import claims, mla_prefill_backend_priorities
+
+    try:
+        claimed = {m.name for m, _ in claims(cap)}
+        order = [m.name for m in mla_prefill_backend_priorities(cap)]
+    except (TypeError, ValueError):  # a malformed claim: backend_rows reports it
+        return []
+    # Claims at one place end up side by side, in front of the backend they named.
+    groups, run = [], []
+    for name in order:
+        if name in claimed:
+            run.append(name)
+            continue
+        if len(run) > 1:
+            groups.append({"before": name, "order": run})
+        run = []
+    return groups
+
+
+def competing_claims_text(group: dict[str, Any], sources: dict[str, str], where: str) -> str:
+    """``A (entry point of package a) and B (...) claim the same place ...``, as a sentence."""
+    first, *rest = group["order"]
+    named = [f"{n} ({sources[n]})" if n in sources else n for n in group["order"]]
+    serve = "serves" if len(rest) == 1 else "serve"
+    return (
+        f"{', '.join(named[:-1])} and {named[-1]} claim the same place in automatic selection "
+        f"{where}, before {group['before']}; {TIE_RULE}: {first} comes first and serves every "
+        f"model it accepts, {' and '.join(rest)} {serve} only models {first} refuses."
+    )

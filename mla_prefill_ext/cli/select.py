@@ -23,6 +23,7 @@ from mla_prefill_ext.cli.common import (
     note_unsupported,
     probe_host,
 )
+from mla_prefill_ext.cli.registrations import competing_claims, competing_claims_text
 from mla_prefill_ext.settings import is_disabled
 
 
@@ -42,6 +43,7 @@ class SelectReport(Report):
     selected: str | None
     error: str | None
     candidates: list[dict[str, Any]]
+    competing_claims: list[dict[str, Any]]  # backends whose claims put them at one place
     disabled: bool  # MLA_PREFILL_EXT_DISABLE is set: vLLM would not use the selection
 
     @property
@@ -69,6 +71,7 @@ class SelectReport(Report):
             "selected_by_claim": self.selected_by_claim,
             "error": self.error,
             "candidates": self.candidates,
+            "competing_claims": self.competing_claims,
             "disabled_by_env": self.disabled,
         }
 
@@ -84,12 +87,16 @@ class SelectReport(Report):
             selected = [f"selected: {self.selected}{joined}"]
         else:
             selected = ["selected: none", f"error: {self.error}"]
+        cap = self.capability
+        where = "without a GPU" if cap is None else f"on compute capability {cap.major}.{cap.minor}"
+        sources = {name: claim["source"] for name, claim in self.claims.items()}
         consequence = "this is what the add-on would select if it were on"
         return [
             *disabled_lines(self.disabled, consequence),
-            f"capability {cap_str(self.capability)}, dtype {self.dtype}, DeepSeek-R1 MLA dims: "
+            f"capability {cap_str(cap)}, dtype {self.dtype}, DeepSeek-R1 MLA dims: "
             f"{'yes' if self.r1_dims else 'no'}",
             f"automatic order: {shown_order}",
+            *(f"note: {competing_claims_text(g, sources, where)}" for g in self.competing_claims),
             f"requested: {self.requested} ({self.source})",
             *selected,
             "candidates:",
@@ -160,5 +167,6 @@ def cmd_select(args: argparse.Namespace) -> Report:
         selected=chosen,
         error=error,
         candidates=candidates,
+        competing_claims=competing_claims(cap),
         disabled=is_disabled(),
     )
