@@ -697,7 +697,7 @@ def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -
 
 def test_the_platform_line_says_where_vllms_own_prefill_stays() -> None:
     """ROCm, XPU and other platforms cannot be had here: the line info prints for each case."""
-    from mla_prefill_ext.cli import _platform_line
+    from mla_prefill_ext.cli.runtime import platform_line as _platform_line
 
     served = {"name": "CUDA", "served": True, "reason": None, "error": None}
     assert _platform_line(served, True, False) == "platform: CUDA: the add-on serves MLA prefill here"
@@ -780,7 +780,7 @@ def test_info_reports_packages_that_claim_the_same_place(slow: dict[str, Any]) -
 def test_info_notes_modules_compiled_from_source_in_every_process(tmp_path: Path) -> None:
     import compileall
 
-    from mla_prefill_ext.cli import _bytecode_findings
+    from mla_prefill_ext.cli.runtime import bytecode_findings as _bytecode_findings
 
     pkg = tmp_path / "pkg"
     pkg.mkdir()

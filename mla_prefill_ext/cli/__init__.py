@@ -41,8 +41,6 @@ from mla_prefill_ext.cli.common import (
     supported_range,
 )
 from mla_prefill_ext.cli.info import cmd_info
-from mla_prefill_ext.cli.runtime import bytecode_findings as _bytecode_findings  # the names tests import
-from mla_prefill_ext.cli.runtime import platform_line as _platform_line
 from mla_prefill_ext.cli.select import cmd_select
 
 __all__ = [
@@ -50,8 +48,6 @@ __all__ = [
     "EXIT_FAIL",
     "EXIT_OK",
     "EXIT_PROBLEM",
-    "_bytecode_findings",
-    "_platform_line",
     "build_parser",
     "main",
 ]
