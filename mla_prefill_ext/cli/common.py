@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from mla_prefill_ext.types import AUTOMATIC  # the source of a selection no setting made
+
 EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_CHECK = 0, 1, 2
 EXIT_FAIL = EXIT_PROBLEM  # older name
 
@@ -180,7 +182,7 @@ def header() -> str:
 
 def chosen_automatically(source: str) -> bool:
     """Whether a selection's or a choice's source is automatic selection (no setting chose)."""
-    return source == "automatic"
+    return source == AUTOMATIC  # == rather than is: a source may come as a plain string
 
 
 def disabled_lines(disabled: bool, consequence: str) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from mla_prefill_ext.cli import registrations, runtime
 from mla_prefill_ext.cli.common import (
+    AUTOMATIC,
     EXIT_OK,
     EXIT_PROBLEM,
     CannotCheck,
@@ -75,7 +76,7 @@ def choice_report(disabled: bool) -> ChoiceReport:
     findings: list[Finding] = []
     info: dict[str, Any] = {
         "requested": "AUTO" if choice is None else choice.name,
-        "source": "automatic" if choice is None else choice.source,
+        "source": AUTOMATIC if choice is None else choice.source,
         "capability": cap_json(cap),
         "selected_here": None,
         "selected_by_claim": False,

@@ -10,7 +10,8 @@ from mla_prefill_ext.cli.common import Finding, claim_text
 
 def overrides_findings(raw: str | None) -> list[Finding]:
     """What is wrong with the registrations handed over in the environment."""
-    from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.settings import OVERRIDES_ENV
 
     if not raw:
         return []

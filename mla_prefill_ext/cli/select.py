@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_prefill_ext.cli.common import (
+    AUTOMATIC,
     EXIT_OK,
     EXIT_PROBLEM,
     CannotCheck,
@@ -153,7 +154,7 @@ def cmd_select(args: argparse.Namespace) -> Report:
         selection = select(cap, config, choice)
         chosen, source = selection.name, selection.source
     except (TypeError, ValueError) as e:
-        chosen, source, error = None, (choice.source if choice else "automatic"), str(e)
+        chosen, source, error = None, (choice.source if choice else AUTOMATIC), str(e)
     return SelectReport(
         capability=cap,
         dtype=str(config.dtype).removeprefix("torch."),
