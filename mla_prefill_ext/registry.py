@@ -10,7 +10,6 @@ process without further steps.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from enum import Enum, EnumMeta
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mla_prefill_ext import settings
 from mla_prefill_ext._logging import logger
+from mla_prefill_ext.class_paths import backend_class_problem, load_backend_class
 from mla_prefill_ext.settings import OVERRIDES_ENV
 
 if TYPE_CHECKING:
@@ -151,64 +151,6 @@ _GENERATION = 0
 _READY = False
 
 
-def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
-    """Import ``class_path`` and check it is an MLAPrefillBackend; errors name the path."""
-
-    module_name, _, attr = class_path.rpartition(".")
-    if not module_name:
-        raise ImportError(
-            f"MLA prefill backend {name}: class path '{class_path}' is not of the form "
-            "'package.module.ClassName'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        missing = getattr(e, "name", None)
-        if not (
-            isinstance(e, ModuleNotFoundError) and missing and (module_name + ".").startswith(missing + ".")
-        ):
-            # The module exists but fails to import (e.g. a library it needs is missing).
-            raise ImportError(f"MLA prefill backend {name}: cannot import '{class_path}': {e}") from e
-        # The path may name a nested class ('mod.Outer.Inner'): walk up.
-        obj = None
-        parts = class_path.split(".")
-        for cut in range(len(parts) - 2, 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:cut]))
-            except ModuleNotFoundError:
-                continue
-            attr = ".".join(parts[cut:])
-            break
-        if obj is None:
-            raise ImportError(f"MLA prefill backend {name}: cannot import '{class_path}': {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ImportError(f"MLA prefill backend {name}: '{class_path}' not found ({e})") from e
-    problem = _backend_class_problem(obj)
-    if problem is not None:
-        raise TypeError(f"MLA prefill backend {name}: '{class_path}' {problem}")
-    return obj
-
-
-def _backend_class_problem(obj: Any) -> str | None:
-    """Why ``obj`` cannot serve as a backend class (None: it can be instantiated)."""
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
-
-    if not (isinstance(obj, type) and issubclass(obj, MLAPrefillBackend)):
-        return f"is {obj!r}, not a subclass of mla_prefill_ext.MLAPrefillBackend"
-    missing = _abstract_methods(obj)
-    if missing:
-        return f"cannot be instantiated: it does not implement {', '.join(missing)}"
-    return None
-
-
-def _abstract_methods(cls: type) -> list[str]:
-    """The abstract methods a backend class leaves unimplemented (empty: it can be built)."""
-    return sorted(getattr(cls, "__abstractmethods__", ()))
-
-
 def _mirror_to_environment() -> None:
     settings.mirror_overrides(_OVERRIDES)  # children inherit it; see the module docstring
 
@@ -322,7 +264,7 @@ def _validate_class_path(member: MLAPrefillBackendEnum, class_path: Any) -> None
 
 def _validate_backend_class(member: MLAPrefillBackendEnum, cls: Any) -> None:
     """A decorated class must be a backend that can be instantiated: checked at decoration."""
-    problem = _backend_class_problem(cls)
+    problem = backend_class_problem(cls)
     if problem is not None:
         where = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
         raise TypeError(f"MLA prefill backend {member.name}: {where} {problem}")

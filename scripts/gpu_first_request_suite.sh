@@ -5,7 +5,7 @@
 # 1. environment.txt: GPU, driver, versions;
 # 2. pre-build: FlashInfer's MLA prefill kernels compiled into a fresh cache with the README's recipe
 #    (FLASHINFER_WORKSPACE_BASE=DIR mla-prefill-ext check --backend FLASHINFER --device cuda), timed;
-# 3. scripts/bench_first_request.py: stock, FLASHINFER and FLASH_ATTN, each with fresh caches
+# 3. scripts/bench/first_request.py: stock, FLASHINFER and FLASH_ATTN, each with fresh caches
 #    (FlashInfer's JIT cache cold), and FLASHINFER-warm on the cache pre-built in step 2; eager
 #    engines unless --compiled (torch.compile with cold caches on every side takes longer than the
 #    default budget: give --budget 900 or more);
@@ -60,7 +60,7 @@ stamp "pre-build: rc=$rc"
 stamp "first-request benchmark"
 bench_args=(--sides stock,FLASHINFER,FLASHINFER-warm,FLASH_ATTN --warm-cache "$prebuilt")
 [[ $compiled == 1 ]] || bench_args+=(--eager)
-python scripts/bench_first_request.py "${bench_args[@]}" --deadline $(( deadline - TESTS_RESERVE )) \
+python scripts/bench/first_request.py "${bench_args[@]}" --deadline $(( deadline - TESTS_RESERVE )) \
   --cache-root "$caches/bench" --logs "$out/engines" --json "$out/bench-first-request.json" \
   > "$out/bench-first-request.log" 2>&1
 stamp "first-request benchmark: rc=$?"

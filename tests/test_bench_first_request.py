@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_first_request.py"
+SCRIPT = ROOT / "scripts" / "bench" / "first_request.py"
 
 
 def load():

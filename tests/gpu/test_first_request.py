@@ -1,6 +1,6 @@
 """A FLASHINFER engine builds or loads its prefill kernels before it reports ready, none at its first steps.
 
-Two engine lifetimes of ``scripts/bench_first_request.py`` (``--quick --eager``): FLASHINFER, and
+Two engine lifetimes of ``scripts/bench/first_request.py`` (``--quick --eager``): FLASHINFER, and
 the same backend with no warm-up declared (``mutant_backends.FlashInferWithoutWarmup`` as CUSTOM),
 which must fail the same check. The signal is FlashInfer's own: the JIT modules mapped in the
 engine's worker process (``/proc/self/maps``, under FlashInfer's JIT and AOT folders) and the cache
@@ -43,7 +43,7 @@ def first_wave(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     logs = Path(os.environ.get("MLA_FIRST_REQUEST_LOGS") or tmp / "logs")
     command = [
         sys.executable,
-        str(ROOT / "scripts" / "bench_first_request.py"),
+        str(ROOT / "scripts" / "bench" / "first_request.py"),
         "--sides",
         "FLASHINFER,CUSTOM",
     ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """First requests after a fresh start: start-up time and first-wave latency, per backend and stock.
 
-    python scripts/bench_first_request.py [--sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm]
+    python scripts/bench/first_request.py [--sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm]
         [--quick] [--eager] [--requests N] [--max-num-batched-tokens N] [--json out.json]
         [--logs DIR] [--cache-root DIR] [--warm-cache DIR] [--flashinfer-cache DIR]
         [--keep-host-caches]
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
 VOCAB = 32000
 MAX_TOKENS = 8
@@ -476,7 +476,11 @@ def header(args: argparse.Namespace, sides: list[Side]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # As scripts/bench/common.parser (this script is also loaded by path, without its folder on sys.path).
+    first, _, rest = __doc__.strip().partition("\n")
+    parser = argparse.ArgumentParser(
+        description=first, epilog=rest.strip("\n"), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, backend names, NAME-warm")
     parser.add_argument("--quick", action="store_true", help="a smaller first wave (16 requests, shorter)")
     parser.add_argument(
