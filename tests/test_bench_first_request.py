@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -225,8 +226,17 @@ def test_a_side_out_of_time_is_killed_with_its_engine_process(tmp_path):
     )
     assert bench.run_child([sys.executable, "-c", child], dict(), log, 3.0) is None
     grandchild = int(log.read_text().split()[0])
-    try:
-        assert psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
-    except psutil.NoSuchProcess:
-        pass
+    # A SIGKILL is delivered asynchronously: on a busy machine the process may still be scheduled for
+    # a moment. Killed means gone or a zombie within seconds; a survivor sleeps for two minutes.
+    deadline = time.monotonic() + 10
+    status = None
+    while time.monotonic() < deadline:
+        try:
+            status = psutil.Process(grandchild).status()
+        except psutil.NoSuchProcess:
+            status = "gone"
+        if status in ("gone", psutil.STATUS_ZOMBIE):
+            break
+        time.sleep(0.1)
+    assert status in ("gone", psutil.STATUS_ZOMBIE), f"the engine process outlived its side: {status}"
     assert bench.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(), log, 30.0) == 3
