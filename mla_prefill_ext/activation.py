@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
+from typing import Any
 
 from mla_prefill_ext.settings import DISABLE_ENV, ask_vllm_to_copy_to_ray, is_disabled
 
@@ -49,11 +50,12 @@ def _vllm_missing() -> bool:
 
 
 def activate() -> None:
-    """Arm the patch in this process (idempotent; all or nothing; a no-op when disabled).
+    """Arm the patch or the bridge in this process (idempotent; all or nothing; a no-op when disabled).
 
-    On an unsupported vLLM the hooks are armed all the same: each patch set then patches
+    The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`). On an
+    unsupported vLLM the patch's hooks are armed all the same: each patch set then patches
     nothing, and the MLA one only guards against an explicit backend choice (see
-    ``patches.skip``).
+    ``patches.skip``). On vLLM 0.23+ the bridge is armed instead (:mod:`mla_prefill_ext.bridge`).
     """
     global _active, _hooks_registered
     if _vllm_missing():
@@ -65,9 +67,12 @@ def activate() -> None:
     ask_vllm_to_copy_to_ray()
     if is_disabled():
         return
-    from mla_prefill_ext import patches
-    from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext import patches, versions
 
+    decision = versions.decide()
+    if decision.mode == versions.BRIDGE:
+        _activate_bridge(decision)
+        return
     with _LOCK:
         if _active:
             return
@@ -81,7 +86,7 @@ def activate() -> None:
             _hooks_registered = True
         _active = True
         try:
-            reason = unsupported_reason()
+            reason = decision.reason  # None in patch mode
             if reason is not None:
                 patches.skip(reason)  # says why now, and refuses an explicit choice in the environment
         except BaseException:
@@ -97,6 +102,57 @@ def activate() -> None:
                 raise
 
 
+# --- bridge mode (vLLM 0.23+): the add-on's backends in vLLM's own registry ---------------------
+
+_bridge_hooks_registered = False
+
+
+def _on_bridge_module_imported(module: ModuleType) -> None:
+    if not _active:
+        return
+    from mla_prefill_ext import bridge
+
+    if module.__name__ == bridge.PREFILL_PACKAGE:
+        reason = bridge.instrument()
+        if reason is not None:
+            bridge.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
+    else:
+        bridge.instrument_binding(module)
+
+
+def _activate_bridge(decision: Any) -> None:
+    """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
+    global _active, _bridge_hooks_registered
+    from mla_prefill_ext import bridge
+
+    with _LOCK:
+        if _active:
+            return
+        if not _bridge_hooks_registered:
+            import wrapt
+
+            # As for the patch sets: registered while inactive, modules already imported done below.
+            for name in bridge.BINDING_MODULES:
+                wrapt.register_post_import_hook(_on_bridge_module_imported, name)
+            _bridge_hooks_registered = True
+        _active = True
+    if decision.warning is not None:
+        from mla_prefill_ext._logging import logger
+
+        logger.warning("mla-prefill-ext: %s", decision.warning)
+    for name in bridge.BINDING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            try:
+                _on_bridge_module_imported(module)
+            except BaseException:
+                deactivate()  # all or nothing: a retry starts from scratch
+                raise
+
+
+# -------------------------------------------------------------------------------------------------
+
+
 def deactivate() -> None:
     """Remove every wrapper and disarm the hooks (idempotent)."""
     global _active
@@ -104,6 +160,10 @@ def deactivate() -> None:
 
     with _LOCK:
         _active = False
+    if "mla_prefill_ext.bridge.instrumentor" in sys.modules:
+        from mla_prefill_ext import bridge
+
+        bridge.uninstrument()
     for name, patch_set in patches.PATCH_SETS.items():
         module = sys.modules.get(name)
         # Nothing to remove where the patch set never loaded.

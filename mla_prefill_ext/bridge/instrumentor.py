@@ -1,0 +1,198 @@
+"""Instrument / uninstrument vLLM 0.23+'s MLA prefill selector: the bridge itself.
+
+Symmetric and idempotent, all or none, like the patch's instrumentor.
+:func:`instrument` inspects vLLM's API (:mod:`shape`), wraps its selector's
+``get_mla_prefill_backend`` and ``_auto_select_mla_prefill_backend`` with ``wrapt``,
+and registers the add-on's backends in vLLM's registry. Modules that imported
+``get_mla_prefill_backend`` by name (vLLM's MLA layer module, the prefill package,
+Kimi-K3's MLA) get the same wrapper on their binding when they are imported
+(:func:`instrument_binding`). When vLLM's API has a shape the bridge does not know,
+nothing is wrapped but a guard: an explicit add-on choice refuses at start with
+the reason, and vLLM selects as it always does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from mla_prefill_ext._logging import logger
+from mla_prefill_ext.bridge import registration, selection
+from mla_prefill_ext.bridge.shape import PREFILL_PACKAGE, SELECTOR_MODULE, Shape, current
+
+GET = "get_mla_prefill_backend"
+AUTO = "_auto_select_mla_prefill_backend"
+
+BINDING_MODULES = (
+    PREFILL_PACKAGE,
+    "vllm.model_executor.layers.attention.mla_attention",
+    "vllm.models.kimi_k3.nvidia.mla",
+)
+"""Modules that hold their own binding of ``get_mla_prefill_backend`` (``from ... import``)."""
+
+
+@dataclass
+class BridgeState:
+    """What the bridge did in this process (for diagnostics and tests)."""
+
+    instrumented: bool = False
+    shape: Shape | None = None
+    problem: str | None = None
+    binding_wrapper: Any = None  # what the bindings get: the selection wrapper, or the guard
+    handles: list[tuple[ModuleType, str, Any]] = field(default_factory=list)
+
+
+_STATE = BridgeState()
+_LOCK = threading.RLock()
+_original_get: Any = None
+
+
+def state() -> BridgeState:
+    return _STATE
+
+
+def is_instrumented() -> bool:
+    return _STATE.instrumented
+
+
+def refusal(reason: str) -> str | None:
+    """The message refusing the add-on's explicit choice in this process, or None when none is set."""
+    from mla_prefill_ext import settings
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except ImportError:
+        config = None
+    choice = settings.explicit_choice(getattr(config, "additional_config", None))
+    if choice is None:
+        return None
+    from mla_prefill_ext.versions import SUPPORTED_TEXT
+
+    return (
+        f"mla-prefill-ext cannot honour {choice.source}={choice.name}: {reason}. Unset it to run vLLM's "
+        f"own MLA prefill selection, or install a supported vLLM ({SUPPORTED_TEXT})."
+    )
+
+
+def refuse_if_explicit(reason: str) -> None:
+    message = refusal(reason)
+    if message is not None:
+        raise RuntimeError(message)
+
+
+def _guard(reason: str) -> Any:
+    def guard(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        from mla_prefill_ext import settings
+
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        choice = settings.explicit_choice(getattr(vllm_config, "additional_config", None))
+        if choice is not None:
+            raise RuntimeError(refusal(reason) or f"mla-prefill-ext cannot honour {choice.source}: {reason}")
+        return wrapped(*args, **kwargs)
+
+    return guard
+
+
+def _wrap(module: ModuleType, name: str, wrapper: Any) -> None:
+    handle = wrapt.wrap_function_wrapper(module, name, wrapper)
+    _STATE.handles.append((module, name, handle))
+
+
+def instrument(selector_module: ModuleType | None = None) -> str | None:
+    """Bridge vLLM's selector (all or none). None when bridged, else the reason it is not."""
+    global _original_get
+    with _LOCK:
+        if _STATE.instrumented:
+            return None
+        if _STATE.problem is not None:
+            return _STATE.problem
+        shape, problems = current()
+        if shape is None:
+            return _decline("vLLM's MLA prefill API has changed: " + "; ".join(problems), selector_module)
+        module = shape.selector
+        _original_get = getattr(getattr(module, GET), "__wrapped__", getattr(module, GET))
+        try:
+            _STATE.binding_wrapper = selection.make_get_wrapper(shape)
+            _wrap(module, GET, _STATE.binding_wrapper)
+            _wrap(module, AUTO, selection.make_auto_wrapper(shape))
+            registration.sync(shape, force=True)
+        except Exception as e:  # all or none
+            _unwrap_all()
+            _STATE.binding_wrapper = None
+            return _decline(f"bridging failed ({type(e).__name__}: {e})", module)
+        _STATE.shape = shape
+        _STATE.instrumented = True
+    _instrument_loaded_bindings()
+    logger.debug("mla-prefill-ext bridged %s", SELECTOR_MODULE)
+    return None
+
+
+def _instrument_loaded_bindings() -> None:
+    import sys
+
+    for name in BINDING_MODULES:
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            instrument_binding(loaded)
+
+
+def _decline(reason: str, module: ModuleType | None) -> str:
+    """Wrap nothing but a guard that refuses the add-on's explicit choice."""
+    global _original_get
+    from mla_prefill_ext.versions import installed_vllm_version
+
+    message = f"vLLM {installed_vllm_version()}: {reason}"
+    _STATE.problem = message
+    if refusal(message) is None:
+        logger.warning(
+            "mla-prefill-ext is not bridging vLLM's MLA prefill selection (%s); vLLM selects its own "
+            "backends as without the add-on.",
+            message,
+        )
+    if module is not None and callable(getattr(module, GET, None)):
+        _original_get = getattr(getattr(module, GET), "__wrapped__", getattr(module, GET))
+        _STATE.binding_wrapper = _guard(message)
+        _wrap(module, GET, _STATE.binding_wrapper)
+        _instrument_loaded_bindings()
+    return message
+
+
+def instrument_binding(module: ModuleType) -> None:
+    """Wrap a module's own binding of ``get_mla_prefill_backend`` (idempotent)."""
+    with _LOCK:
+        if _STATE.binding_wrapper is None or module.__name__ == SELECTOR_MODULE:
+            return
+        bound = getattr(module, GET, None)
+        if bound is None or bound is not _original_get:
+            return  # not vLLM's function (someone else's, or ours already)
+        _wrap(module, GET, _STATE.binding_wrapper)
+
+
+def _unwrap_all() -> None:
+    for module, name, handle in reversed(_STATE.handles):
+        try:
+            wrapt.unwrap_object(module, name, handle, missing_ok=True)
+        except wrapt.WrapperNotOutermostError as e:
+            logger.warning(
+                "mla-prefill-ext could not remove its wrapper on %s.%s: %s", module.__name__, name, e
+            )
+    _STATE.handles = []
+
+
+def uninstrument() -> None:
+    """Remove every wrapper and vLLM's CUSTOM registration the bridge made (idempotent)."""
+    with _LOCK:
+        _unwrap_all()
+        if _STATE.shape is not None:
+            registration.unregister(_STATE.shape)
+        _STATE.instrumented = False
+        _STATE.shape = None
+        _STATE.problem = None
+        _STATE.binding_wrapper = None
+        selection.clear_caches()

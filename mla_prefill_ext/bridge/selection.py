@@ -1,0 +1,206 @@
+"""Selection through vLLM's own selector (0.23+): the wrappers of its two functions.
+
+``get_mla_prefill_backend(vllm_config)`` (what every MLA layer calls):
+
+* The add-on's choice (``additional_config["mla_prefill_backend"]``, else
+  ``MLA_PREFILL_BACKEND``) is served by the add-on's selector, with its reasons and
+  messages, whatever the device (vLLM ignores an explicit choice where no device
+  capability is known, 0.23-0.31, and on a CPU platform, 0.29+; the add-on does not).
+  It wins over ``attention_config.mla_prefill_backend``; when both are set and differ,
+  one INFO line says so.
+* ``attention_config.mla_prefill_backend`` naming one of the add-on's backends (a
+  name it registered in vLLM's registry) is served the same way.
+* Any other ``attention_config`` choice, and no choice at all, is vLLM's: the call
+  goes to vLLM's selector untouched.
+
+``_auto_select_mla_prefill_backend`` (vLLM's automatic selection; on 0.33 it asks
+the platform): out-of-tree backends that claim the device (``auto_select_claim``)
+are tried first when vLLM's own pick is the backend they claim to go before, or
+when vLLM finds none; then vLLM's pick; then the add-on's portable ``TORCH_SDPA``
+when vLLM finds none. vLLM's order is inside its selector (0.23-0.31) or the
+platform (0.33) and is not read: a claim placed before a backend vLLM skipped as
+invalid here does not move ahead of vLLM's later pick.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+from typing import Any
+
+from mla_prefill_ext._logging import logger
+from mla_prefill_ext.bridge import registration
+from mla_prefill_ext.bridge.adapter import adapter_class, addon_selector_config
+from mla_prefill_ext.bridge.shape import Shape
+
+NATIVE_SOURCE = "attention_config.mla_prefill_backend"
+
+_LOCK = threading.Lock()
+_logged: set[Any] = set()
+
+
+def _once(key: Any) -> bool:
+    with _LOCK:
+        if key in _logged:
+            return False
+        _logged.add(key)
+        return True
+
+
+def _vllm_version() -> str:
+    from mla_prefill_ext.versions import installed_vllm_version
+
+    return installed_vllm_version() or "?"
+
+
+def _describe(capability: Any, config: Any) -> str:
+    cap = "no GPU" if capability is None else f"compute capability {capability.major}.{capability.minor}"
+    dtype = str(config.dtype).removeprefix("torch.")
+    return f"{cap}, dtype {dtype}, DeepSeek-R1 MLA dims: {'yes' if config.is_r1_compatible else 'no'}"
+
+
+def _config_arg(args: tuple, kwargs: dict) -> Any:
+    return kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
+
+
+def addon_choice(vllm_config: Any) -> Any:
+    """The add-on's explicit choice for this configuration (None: automatic or unset)."""
+    from mla_prefill_ext import settings
+
+    return settings.explicit_choice(getattr(vllm_config, "additional_config", None))
+
+
+def native_choice(vllm_config: Any) -> Any:
+    """The member of vLLM's enum chosen in ``attention_config`` (None: unset)."""
+    return getattr(getattr(vllm_config, "attention_config", None), "mla_prefill_backend", None)
+
+
+@lru_cache(maxsize=64)
+def _select(shape: Shape, capability: Any, config: Any, choice: Any, generation: int) -> type:
+    from mla_prefill_ext import selector
+
+    try:
+        selection = selector.select(capability, config, choice)
+    except ValueError as e:
+        raise ValueError(f"mla-prefill-ext (vLLM {_vllm_version()}, bridged): {e}") from None
+    logger.info(
+        "Using %s MLA prefill backend (mla-prefill-ext, from %s; %s), through vLLM %s's own selector.",
+        selection.name,
+        choice.source,
+        _describe(capability, config),
+        _vllm_version(),
+    )
+    return adapter_class(selection.name, shape)
+
+
+def _log_precedence(choice: Any, native: Any) -> None:
+    if native is None or native.name.upper() == choice.name.upper():
+        return
+    if _once(("precedence", choice.name, choice.source, native.name)):
+        logger.info(
+            "MLA prefill backend: %s=%s takes precedence over %s=%s (the add-on's choice wins; unset "
+            "one of them to silence this).",
+            choice.source,
+            choice.name,
+            NATIVE_SOURCE,
+            native.name,
+        )
+
+
+def make_get_wrapper(shape: Shape) -> Any:
+    """The wrapper of vLLM's ``get_mla_prefill_backend``."""
+    from mla_prefill_ext import registry, selector, settings
+
+    def get_mla_prefill_backend(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        vllm_config = _config_arg(args, kwargs)
+        registration.sync(shape)
+        choice = addon_choice(vllm_config)
+        native = native_choice(vllm_config)
+        if choice is not None:
+            _log_precedence(choice, native)
+        elif native is not None and registration.is_ours(native):
+            choice = settings.Choice(native.name, NATIVE_SOURCE, True)
+        else:
+            return wrapped(*args, **kwargs)
+        return _select(
+            shape,
+            selector.current_device_capability(),
+            selector.selector_config_for(vllm_config),
+            choice,
+            registry.generation(),
+        )
+
+    return get_mla_prefill_backend
+
+
+@lru_cache(maxsize=64)
+def _claimed(shape: Shape, capability: Any, config: Any, native_name: str | None, generation: int) -> Any:
+    """The first claimed backend that goes before vLLM's pick and can serve (None: none)."""
+    from mla_prefill_ext import selector
+
+    for member, claim in selector.claims(capability):
+        if native_name is not None and claim.before != native_name:
+            continue
+        cls, reasons = selector.check_backend(member, capability, config)
+        if cls is not None and not reasons:
+            logger.info(
+                "%s joined automatic selection by its claim (%s; before %s): using it for MLA prefill "
+                "(mla-prefill-ext, vLLM %s).",
+                member.name,
+                ", ".join(claim.capabilities),
+                claim.before,
+                _vllm_version(),
+            )
+            return adapter_class(member.name, shape)
+    return None
+
+
+def make_auto_wrapper(shape: Shape) -> Any:
+    """The wrapper of vLLM's ``_auto_select_mla_prefill_backend``."""
+    from mla_prefill_ext import registry, selector
+
+    def auto_select(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        vllm_config_selector = kwargs.get("selector_config", args[-1] if args else None)
+        if shape.auto_takes_capability:
+            capability = kwargs.get("device_capability", args[0] if len(args) > 1 else None)
+        else:
+            capability = selector.current_device_capability()
+        config = addon_selector_config(vllm_config_selector)
+        registration.sync(shape)
+        generation = registry.generation()
+        try:
+            native = wrapped(*args, **kwargs)
+        except ValueError as e:
+            native, failure = None, e
+        else:
+            failure = None
+        claimed = _claimed(
+            shape, capability, config, None if native is None else native.get_name(), generation
+        )
+        if claimed is not None:
+            return claimed
+        if native is not None:
+            return native
+        cls, reasons = selector.check_backend(registry.MLAPrefillBackendEnum.TORCH_SDPA, capability, config)
+        if cls is None or reasons:
+            raise ValueError(
+                f"{failure} mla-prefill-ext's portable TORCH_SDPA cannot serve either: {'; '.join(reasons)}"
+            ) from None
+        if _once(("fallback", capability, config)):
+            logger.warning(
+                "vLLM %s found no MLA prefill backend for this configuration (%s); mla-prefill-ext's "
+                "portable TORCH_SDPA serves it (the slow path). vLLM's reasons: %s",
+                _vllm_version(),
+                _describe(capability, config),
+                failure,
+            )
+        return adapter_class("TORCH_SDPA", shape)
+
+    return auto_select
+
+
+def clear_caches() -> None:
+    _select.cache_clear()
+    _claimed.cache_clear()
+    with _LOCK:
+        _logged.clear()

@@ -1,0 +1,135 @@
+"""The vLLM versions the add-on supports, and how (patch or bridge): declared here, and only here.
+
+Like an OpenTelemetry instrumentation's supported range, one table says what the
+add-on does on each vLLM release line:
+
+* **patch** (0.20.x): vLLM has no pluggable MLA prefill; the add-on wraps vLLM's MLA
+  layer (``mla_prefill_ext.patches``).
+* **none** (0.21-0.22): vLLM has its own MLA prefill backends but no way to register
+  one (no ``register_mla_prefill_backend``; ``MLAPrefillBackendEnum.get_path`` returns
+  the built-in path, read from the 0.21.0 and 0.22.1 wheels). The add-on changes
+  nothing, and an explicit choice of an add-on backend refuses at start.
+* **bridge** (0.23 and later): the add-on's backends are registered in vLLM's own
+  registry through adapters (``mla_prefill_ext.bridge``). Tested up to
+  :data:`NEWEST_TESTED`; a later release is bridged when vLLM's API still has the
+  shape the bridge inspects for, with one WARNING naming the tested releases.
+
+The version picks the mode; the bridge then inspects vLLM's API (signatures,
+attributes) and refuses, all or nothing, when its shape is not one it knows.
+No vLLM or torch import here: activation and the CLI read this module first.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import NamedTuple
+
+PATCH, NONE, BRIDGE = "patch", "none", "bridge"
+
+Release = tuple[int, int, int]
+
+
+class Mode(NamedTuple):
+    """What the add-on does on vLLM releases in ``[low, high)`` (``high`` None: no upper bound)."""
+
+    name: str
+    low: Release
+    high: Release | None
+    summary: str
+
+
+MODES: tuple[Mode, ...] = (
+    Mode(PATCH, (0, 20, 0), (0, 21, 0), "the add-on patches vLLM's MLA layer"),
+    Mode(
+        NONE,
+        (0, 21, 0),
+        (0, 23, 0),
+        "vLLM 0.21-0.22 selects among its own MLA prefill backends and has no way to register "
+        "another one (no register_mla_prefill_backend before 0.23)",
+    ),
+    Mode(BRIDGE, (0, 23, 0), None, "the add-on's backends join vLLM's own MLA prefill registry"),
+)
+
+TESTED = ("0.20.2", "0.25.1", "0.33.0")
+"""The releases the test matrix runs against (noxfile.py)."""
+
+NEWEST_TESTED: Release = (0, 33, 0)
+"""Releases of this minor line and older are in the tested range; later ones warn."""
+
+SUPPORTED_TEXT = "vllm>=0.20.0,<0.21 (patched) or vllm>=0.23 (bridged; tested 0.25.1 and 0.33.0)"
+"""The supported releases in one phrase, for messages and the CLI."""
+
+INSTALL_SPEC = "vllm==0.33.0"
+"""What an install hint suggests (the newest tested release)."""
+
+_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+class Decision(NamedTuple):
+    """The mode for one vLLM version: ``reason`` says why nothing is done (mode none)."""
+
+    mode: str
+    vllm_version: str | None
+    reason: str | None = None
+    warning: str | None = None  # set when the version is above the tested range
+
+
+def installed_vllm_version() -> str | None:
+    vllm = sys.modules.get("vllm")  # already imported inside vLLM's processes: free
+    version = getattr(vllm, "__version__", None)
+    if isinstance(version, str):
+        return version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> Release | None:
+    """The release numbers of a version string (dev and local builds count as their release)."""
+    match = _RELEASE.match(version)
+    if match is None:
+        return None
+    major, minor, micro = (int(x or 0) for x in match.groups())
+    return (major, minor, micro)
+
+
+def decide(vllm_version: str | None = None) -> Decision:
+    """The mode for ``vllm_version`` (default: the installed vLLM).
+
+    A plain tuple comparison: ``packaging.specifiers`` costs ~20 ms to import, at
+    every start of every vLLM process.
+    """
+    v = installed_vllm_version() if vllm_version is None else vllm_version
+    if v is None:
+        return Decision(NONE, None, "vLLM is not installed")
+    rel = release(v)
+    if rel is None:
+        return Decision(NONE, v, f"vLLM version '{v}' cannot be parsed (supported: {SUPPORTED_TEXT})")
+    for mode in MODES:
+        if mode.low <= rel and (mode.high is None or rel < mode.high):
+            if mode.name == NONE:
+                return Decision(NONE, v, f"vLLM {v} is not supported: {mode.summary}")
+            warning = None
+            if mode.name == BRIDGE and rel[:2] > NEWEST_TESTED[:2]:
+                warning = (
+                    f"vLLM {v} is newer than the releases mla-prefill-ext was tested with "
+                    f"({', '.join(TESTED)}); its MLA prefill API still has the shape the bridge "
+                    "expects, so the add-on bridges it. Report problems with the vLLM version."
+                )
+            return Decision(mode.name, v, None, warning)
+    return Decision(NONE, v, f"vLLM {v} is not supported (supported: {SUPPORTED_TEXT})")
+
+
+def mode_table() -> list[tuple[str, str, str]]:
+    """(releases, mode, what it means) per row, for docs and ``info``."""
+    rows = []
+    for mode in MODES:
+        low = ".".join(map(str, mode.low[:2]))
+        span = f">={low}" + (f",<{'.'.join(map(str, mode.high[:2]))}" if mode.high else "")
+        rows.append((span, mode.name, mode.summary))
+    return rows
