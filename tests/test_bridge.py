@@ -1,0 +1,353 @@
+"""The bridge on the installed vLLM 0.23+: selection through vLLM's own selector and registry.
+
+Runs against the real vLLM of the environment (0.25.1 and 0.33.0 in the test matrix);
+skipped on vLLM 0.20, where the patch serves. Only the device facts a test needs are
+patched (``host.gpu_view``), and vLLM's own classes stay real.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import host
+import pytest
+
+from mla_prefill_ext import versions
+
+pytestmark = pytest.mark.skipif(
+    versions.decide().mode != versions.BRIDGE,
+    reason=f"bridge tests: vLLM {versions.installed_vllm_version()} is served by the "
+    f"{versions.decide().mode} mode",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bridged(clean_selection: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The add-on activated (bridge mode) with no choice or registration; the shape it found."""
+    import mla_prefill_ext
+    from mla_prefill_ext import bridge
+    from mla_prefill_ext.bridge import selection
+
+    mla_prefill_ext.activate()
+    importlib.import_module(bridge.PREFILL_PACKAGE)  # the bridge lands when vLLM's selector is imported
+    assert bridge.is_instrumented(), bridge.state().problem
+    shape = bridge.state().shape
+    shape.selector._auto_select_mla_prefill_backend.cache_clear()  # vLLM's own cache of its picks
+    yield shape
+    shape.selector._auto_select_mla_prefill_backend.cache_clear()
+    selection.clear_caches()
+
+
+@pytest.fixture
+def info_log(addon_log: list[logging.LogRecord]) -> Iterator[list[logging.LogRecord]]:
+    """The add-on's records down to INFO (the tests run vLLM's loggers at WARNING)."""
+    logger = logging.getLogger("vllm.mla_prefill_ext")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield addon_log
+    logger.setLevel(level)
+
+
+def config(model_dir: Path | None = None, **kwargs: Any) -> Any:
+    if model_dir is not None:
+        return host.make_vllm_config(model_dir, **kwargs)
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"), **kwargs)
+
+
+def native_config(model_dir: Path, name: str) -> Any:
+    from vllm.config import AttentionConfig
+
+    return config(model_dir, attention_config=AttentionConfig(mla_prefill_backend=name))
+
+
+@pytest.mark.parametrize("capability", [None, (9, 0)])
+def test_the_env_variable_alone_makes_vllms_selector_return_the_addon_backend(
+    bridged, clean_selection, model_dirs, capability
+):
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "torch_sdpa")  # any case, as on 0.20
+    with host.gpu_view(capability):
+        cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+    assert issubclass(cls, bridged.base)  # vLLM's own MLAPrefillBackend
+    assert cls._addon_class is TorchSDPAPrefillBackend
+    assert cls.get_name() == "TORCH_SDPA"
+    assert f"{cls.__module__}.{cls.__qualname__}" == "mla_prefill_ext.bridge.adapters.TORCH_SDPA"
+    assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_the_layer_module_and_the_package_call_the_same_selection(bridged, clean_selection, model_dirs):
+    """vLLM's MLA layer and the prefill package imported get_mla_prefill_backend by name."""
+    import importlib
+
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    cfg = config(model_dirs["plain"])
+    layer_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    package = importlib.import_module("vllm.v1.attention.backends.mla.prefill")
+    with host.gpu_view(None):
+        picks = {m.get_mla_prefill_backend(cfg) for m in (bridged.selector, layer_module, package)}
+    assert len(picks) == 1 and next(iter(picks)).get_name() == "TORCH_SDPA"
+
+
+def stock_outcome(selector_module: Any, cfg: Any) -> tuple[str, Any]:
+    try:
+        return "class", selector_module.get_mla_prefill_backend(cfg)
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("capability", [None, (9, 0), (10, 0)])
+def test_a_native_choice_without_an_addon_choice_is_untouched(
+    bridged, clean_selection, model_dirs, capability
+):
+    """attention_config.mla_prefill_backend=FLASH_ATTN gives what vLLM gives without the add-on."""
+    import mla_prefill_ext
+
+    cfg = native_config(model_dirs["plain"], "FLASH_ATTN")
+    with host.gpu_view(capability):
+        bridged_outcome = stock_outcome(bridged.selector, cfg)
+        mla_prefill_ext.deactivate()
+        try:
+            assert not isinstance(
+                bridged.selector.get_mla_prefill_backend, __import__("wrapt").FunctionWrapper
+            )
+            stock = stock_outcome(bridged.selector, cfg)
+        finally:
+            mla_prefill_ext.activate()
+    assert bridged_outcome == stock
+    if stock[0] == "class":
+        assert stock[1].__module__.startswith("vllm.")  # vLLM's own FLASH_ATTN
+
+
+def test_the_addon_choice_wins_over_a_different_native_one_in_one_info_line(
+    bridged, clean_selection, model_dirs, info_log
+):
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    cfg = native_config(model_dirs["plain"], "FLASH_ATTN")
+    with host.gpu_view((9, 0)):
+        for _ in range(3):  # every MLA layer asks
+            assert bridged.selector.get_mla_prefill_backend(cfg).get_name() == "TORCH_SDPA"
+    lines = [r.getMessage() for r in info_log if "takes precedence" in r.getMessage()]
+    assert len(lines) == 1
+    assert (
+        "MLA_PREFILL_BACKEND=TORCH_SDPA takes precedence over attention_config.mla_prefill_backend=FLASH_ATTN"
+        in (lines[0])
+    )
+    assert all(r.levelno == logging.INFO for r in info_log if "takes precedence" in r.getMessage())
+
+
+def test_additional_config_selects_alone(bridged, clean_selection, model_dirs):
+    cfg = config(model_dirs["plain"], additional_config={"mla_prefill_backend": "TORCH_SDPA"})
+    with host.gpu_view(None):
+        assert bridged.selector.get_mla_prefill_backend(cfg).get_name() == "TORCH_SDPA"
+
+
+def test_an_explicit_choice_that_cannot_serve_is_one_clear_error(bridged, clean_selection, model_dirs):
+    """FLASHINFER needs a GPU: the add-on's reasons, the vLLM version, nothing from vLLM's selector."""
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
+    with host.gpu_view(None), pytest.raises(ValueError) as info:
+        bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+    message = str(info.value)
+    assert f"vLLM {versions.installed_vllm_version()}" in message
+    assert "FLASHINFER (from MLA_PREFILL_BACKEND) cannot serve" in message and "needs a GPU" in message
+    assert "unset MLA_PREFILL_BACKEND" in message
+    tb = info.tb
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert not any(f.endswith("prefill/selector.py") for f in frames[1:])  # raised by the add-on
+
+
+def test_an_unknown_name_lists_the_valid_ones(bridged, clean_selection, model_dirs):
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "NO_SUCH")
+    with (
+        host.gpu_view(None),
+        pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'NO_SUCH'.*TORCH_SDPA"),
+    ):
+        bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+
+
+def test_custom_registered_by_call_is_vllms_custom_too(bridged, clean_selection, model_dirs):
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "custom_backends.WrappedSDPABackend")
+    custom = bridged.enum.CUSTOM
+    with host.gpu_view((9, 0)):
+        # vLLM's own knob reaches it (registered in vLLM's registry by the next selection)...
+        cls = bridged.selector.get_mla_prefill_backend(native_config(model_dirs["plain"], "CUSTOM"))
+        assert custom.get_path() == "mla_prefill_ext.bridge.adapters.CUSTOM"
+        assert cls._addon_class.__name__ == "WrappedSDPABackend"
+        # ...and so does the add-on's.
+        clean_selection.setenv("MLA_PREFILL_BACKEND", "custom")
+        assert bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"])) is cls
+    MLAPrefillBackendEnum.CUSTOM.clear_override()
+    from mla_prefill_ext.bridge import registration
+
+    registration.sync(bridged)
+    assert not custom.is_overridden()  # unregistered with the add-on: vLLM's CUSTOM is free again
+
+
+def test_registration_into_vllm_is_idempotent(bridged, clean_selection):
+    from mla_prefill_ext import register_mla_prefill_backend
+    from mla_prefill_ext.bridge import registration
+
+    register_mla_prefill_backend("BRIDGED_SDPA", "custom_backends.WrappedSDPABackend")
+    for _ in range(3):
+        registration.sync(bridged, force=True)
+    members = bridged.enum.__members__
+    if bridged.string_names:  # vLLM 0.33+: a member of vLLM's own enum
+        assert members["BRIDGED_SDPA"].get_path() == "mla_prefill_ext.bridge.adapters.BRIDGED_SDPA"
+        assert members["TORCH_SDPA"].get_path() == "mla_prefill_ext.bridge.adapters.TORCH_SDPA"
+    else:  # before 0.33 vLLM registers no new names: reached through the add-on's choice
+        assert "BRIDGED_SDPA" not in members and "TORCH_SDPA" not in members
+    for native in ("FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED"):
+        assert members[native].get_path().startswith("vllm.")  # vLLM's own backends untouched
+
+
+def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged, clean_selection, addon_log):
+    from mla_prefill_ext import register_mla_prefill_backend
+    from mla_prefill_ext.bridge import registration
+
+    native = next(
+        n
+        for n in registration.native_names(bridged)
+        if n not in ("FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED")
+    )
+    register_mla_prefill_backend(native, "custom_backends.WrappedSDPABackend")
+    register_mla_prefill_backend("lower_sdpa", "custom_backends.WrappedSDPABackend")
+    for _ in range(2):
+        registration.sync(bridged, force=True)
+    messages = [r.getMessage() for r in addon_log if r.levelno == logging.WARNING]
+    collision = [
+        m
+        for m in messages
+        if f"has the name of vLLM {versions.installed_vllm_version()}'s own backend {native}" in m
+    ]
+    assert len(collision) == 1 and f"MLA_PREFILL_BACKEND={native}" in collision[0]
+    assert bridged.enum.__members__[native].get_path().startswith("vllm.")
+    lower = [m for m in messages if "'lower_sdpa'" in m]
+    if bridged.string_names:
+        assert len(lower) == 1 and "LOWER_SDPA" in lower[0] and "upper-cases" in lower[0]
+    assert "lower_sdpa" not in bridged.enum.__members__
+
+
+def test_an_installed_backend_package_is_selectable_by_its_name(
+    bridged, clean_selection, tmp_path, model_dirs
+):
+    from test_backend_packages import fake_backend, install
+
+    from mla_prefill_ext import discovery
+
+    clean_selection.syspath_prepend(str(tmp_path))
+    install(
+        tmp_path,
+        "fakepkg-bridged",
+        {"FAKE_BRIDGED": "fakepkg_bridged:FakeBridgedBackend"},
+        {"fakepkg_bridged": fake_backend("FAKE_BRIDGED")},
+    )
+    discovery.discover(refresh=True)
+    try:
+        clean_selection.setenv("MLA_PREFILL_BACKEND", "FAKE_BRIDGED")
+        with host.gpu_view(None):
+            cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+        assert cls.get_name() == "FAKE_BRIDGED" and cls._addon_class.__module__ == "fakepkg_bridged"
+        if bridged.string_names:  # and through vLLM's own knob, by the same name
+            clean_selection.delenv("MLA_PREFILL_BACKEND")
+            with host.gpu_view(None):
+                assert (
+                    bridged.selector.get_mla_prefill_backend(
+                        native_config(model_dirs["plain"], "FAKE_BRIDGED")
+                    )
+                    is cls
+                )
+    finally:
+        sys.modules.pop("fakepkg_bridged", None)
+
+
+# Automatic selection: vLLM's own, with claims and the portable fallback.
+
+
+def test_automatic_selection_falls_back_to_torch_sdpa_where_vllm_finds_none(
+    bridged, clean_selection, model_dirs, addon_log
+):
+    """On this CPU box vLLM's FLASH_ATTN is not importable: at capability 9.0 vLLM finds nothing."""
+    with host.gpu_view((9, 0)):
+        cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+    assert cls.get_name() == "TORCH_SDPA" and issubclass(cls, bridged.base)
+    assert any("portable TORCH_SDPA serves it" in r.getMessage() for r in addon_log)
+
+
+def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
+    bridged, clean_selection, tmp_path, model_dirs
+):
+    from test_backend_packages import fake_backend, install
+
+    from mla_prefill_ext import discovery
+
+    clean_selection.syspath_prepend(str(tmp_path))
+    claim = 'AutoSelectClaim(("9.x",), before="FLASH_ATTN")'
+    install(
+        tmp_path,
+        "fakepkg-claim",
+        {"FAKE_CLAIM": "fakepkg_claim:FakeClaimBackend"},
+        {"fakepkg_claim": fake_backend("FAKE_CLAIM", claim)},
+    )
+    discovery.discover(refresh=True)
+    cfg = config(model_dirs["plain"])
+    get = bridged.selector.get_mla_prefill_backend
+    try:
+        # vLLM finds nothing at 9.0 here (its FLASH_ATTN cannot load on a CPU box): the claim serves.
+        with host.gpu_view((9, 0)):
+            assert get(cfg).get_name() == "FAKE_CLAIM"
+        # A valid FLASH_ATTN, registered through vLLM's own API: vLLM picks it, the claim goes first.
+        bridged.registry.register_mla_prefill_backend(
+            bridged.enum.FLASH_ATTN, "vllm_native_backend.NativeFlashAttnStandIn"
+        )
+        bridged.selector._auto_select_mla_prefill_backend.cache_clear()
+        with host.gpu_view((9, 0)):
+            assert get(cfg).get_name() == "FAKE_CLAIM"
+        # A device the claim does not name: vLLM's own pick.
+        with host.gpu_view((8, 0)):
+            assert get(cfg).__name__ == "NativeFlashAttnStandIn"
+    finally:
+        bridged.enum.FLASH_ATTN.clear_override()
+        sys.modules.pop("fakepkg_claim", None)
+
+
+def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_selection, tmp_path, model_dirs):
+    """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
+    from test_backend_packages import fake_backend, install
+
+    from mla_prefill_ext import discovery
+
+    clean_selection.syspath_prepend(str(tmp_path))
+    claim = 'AutoSelectClaim(("9.x",), before="FLASHINFER")'
+    install(
+        tmp_path,
+        "fakepkg-late",
+        {"FAKE_LATE": "fakepkg_late:FakeLateBackend"},
+        {"fakepkg_late": fake_backend("FAKE_LATE", claim)},
+    )
+    discovery.discover(refresh=True)
+    bridged.registry.register_mla_prefill_backend(
+        bridged.enum.FLASH_ATTN, "vllm_native_backend.NativeFlashAttnStandIn"
+    )
+    try:
+        with host.gpu_view((9, 0)):
+            assert bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"])).__name__ == (
+                "NativeFlashAttnStandIn"
+            )
+    finally:
+        bridged.enum.FLASH_ATTN.clear_override()
+        sys.modules.pop("fakepkg_late", None)
