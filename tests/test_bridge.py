@@ -7,6 +7,7 @@ patched (``host.gpu_view``), and vLLM's own classes stay real.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import pickle
@@ -14,9 +15,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import host
 import pytest
+import torch
 
 from mla_prefill_ext import versions
 
@@ -351,3 +354,148 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
     finally:
         bridged.enum.FLASH_ATTN.clear_override()
         sys.modules.pop("fakepkg_late", None)
+
+
+# vLLM's own MLA layer, metadata builder and forward_mha, on the CPU, through an add-on backend.
+
+
+@contextlib.contextmanager
+def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
+    """test_layer.cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
+
+    Pinning needs a CUDA driver: vLLM 0.25's builder pins ``torch.empty`` host tensors (as
+    ``torch.zeros``, which cpu_kernels already covers), and 0.29+ builds its chunk metadata
+    with ``pin_memory=PIN_MEMORY``, a constant read from the platform at import (True here).
+    """
+    from test_layer import cpu_kernels
+    from vllm.utils import torch_utils
+
+    empty = torch.empty
+
+    def empty_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return empty(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_kernels(mla_module))
+        stack.enter_context(mock.patch.object(torch, "empty", empty_unpinned))
+        for module in (mla_module, torch_utils):
+            if hasattr(module, "PIN_MEMORY"):
+                stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
+        yield
+
+
+def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
+    """Two prefill steps through vLLM's builder and forward_mha; the second over cached context.
+
+    As test_layer.two_steps_with_context, for the bridged vLLM: requests A and B prefill 37
+    and 20 tokens; then A and B continue (9 and 5 tokens over their cached ones) and C
+    starts (7). The builder's context workspace is lowered to 32 tokens, so the context
+    takes several chunks (0.29+: one of them a continuation of A's split context). Returns
+    each step's error relative to a float64 reference over each whole sequence.
+    """
+    from test_layer import BLOCK_SIZE, BLOCKS, CHUNK_WORKSPACE, NUM_BLOCKS, make_builder, recording
+    from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext.reference import reference_attention
+
+    mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    builder = make_builder(cfg, layer, None)
+    builder.chunked_prefill_workspace_size = CHUNK_WORKSPACE
+    heads, lora, rope, nope, dv = layer.num_heads, 512, 64, 128, 128
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
+    layer.kv_b_proj.weight.data = w
+    impl = layer.impl
+    impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
+    steps = [([37, 20], [0, 0]), ([9, 5, 7], [37, 20, 0])]
+    totals = [c + n for c, n in zip(steps[1][1], steps[1][0], strict=True)]
+    kv_c_all = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
+    k_pe_all = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
+    q_all = [torch.randn(t, heads, nope + rope, generator=gen).to(dtype) for t in totals]
+    table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
+    for r, blocks in enumerate(BLOCKS):
+        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
+
+    def reference(r: int, start: int, end: int) -> torch.Tensor:
+        kv = torch.nn.functional.linear(kv_c_all[r][:end], w).double().view(end, heads, nope + dv)
+        k = torch.cat([kv[..., :nope], k_pe_all[r][:end].double().expand(end, heads, rope)], dim=-1)
+        return reference_attention(q_all[r][start:end].double(), k, kv[..., nope:], layer.scale, causal=True)[
+            0
+        ]
+
+    result: dict[str, Any] = {"errors": []}
+    for new_lens, ctx_lens in steps:
+        reqs = range(len(new_lens))
+        batch = host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE)
+        with cpu_step_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
+            metadata = builder.build(0, batch)
+        chunked = metadata.prefill.chunked_context
+        if chunked is not None:
+            result["chunks"] = list(getattr(chunked, "chunks", None) or range(len(chunked.seq_tot)))
+        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
+        q = torch.cat([q_all[r][sl[r]] for r in reqs])
+        kv_c = torch.cat([kv_c_all[r][sl[r]] for r in reqs])
+        k_pe = torch.cat([k_pe_all[r][sl[r]] for r in reqs])
+        cache.view(-1, lora + rope)[batch.slot_mapping] = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
+        output = torch.full((q.shape[0], heads * dv), float("nan"), dtype=dtype)
+        backend = metadata.prefill.prefill_backend
+        with (
+            cpu_step_kernels(mla_module),
+            recording(type(backend.inner), "run_prefill_context_chunk") as ran,
+        ):
+            impl.forward_mha(q, kv_c, k_pe, cache, metadata, torch.ones(()), output=output)
+        result["backend"] = backend
+        result["chunk_calls"] = len(ran)
+        expected = torch.cat([reference(r, sl[r].start, sl[r].stop) for r in reqs]).reshape(q.shape[0], -1)
+        assert torch.isfinite(output).all()
+        result["errors"].append(((output.double() - expected).abs().max() / expected.abs().max()).item())
+    return result
+
+
+def build_layer(cfg: Any) -> Any:
+    with host.gpu_view(None):
+        return host.mla_layer(host.build_deepseek_attention(cfg))
+
+
+def test_an_addon_backend_runs_through_vllms_own_forward_mha(bridged, clean_selection, model_dirs):
+    """TORCH_SDPA, chosen by the environment alone, inside vLLM's layer, builder and forward_mha."""
+    from test_layer import TOLERANCE
+
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg)
+    assert isinstance(layer.prefill_backend, bridged.base)
+    assert type(layer.prefill_backend.inner) is TorchSDPAPrefillBackend
+    assert layer.prefill_backend.scale == layer.scale  # the layer's scale, YaRN mscale included
+    result = run_two_steps(cfg, layer)
+    print("bridged TORCH_SDPA, two steps with context:", result["errors"], len(result["chunks"]))
+    backend = result["backend"]
+    # The builder's own instance: a clone of the layer's (0.25+), not the layer's.
+    if bridged.has_clone:
+        assert backend is not layer.prefill_backend and type(backend) is type(layer.prefill_backend)
+    assert len(result["chunks"]) >= 2 and result["chunk_calls"] == len(result["chunks"])
+    if bridged.chunk_api == "object":
+        assert any(c.is_continuation for c in result["chunks"])  # A's context split across chunks
+    assert max(result["errors"]) <= TOLERANCE, result["errors"]
+
+
+@pytest.mark.parametrize("mutant", ["SdpaScaleOffBackend", "SdpaBase2LseBackend"])
+def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_selection, model_dirs, mutant):
+    """The check above fails a backend with the scale 2% off or the LSE in base 2 (as CUSTOM)."""
+    from test_layer import TOLERANCE
+
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    clean_selection.syspath_prepend(str(Path(__file__).parent / "gpu"))
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg)
+    assert type(layer.prefill_backend.inner).__name__ == mutant
+    result = run_two_steps(cfg, layer)
+    print(f"bridged {mutant}:", result["errors"])
+    assert result["errors"][1] > TOLERANCE, result["errors"]
