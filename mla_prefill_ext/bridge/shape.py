@@ -26,7 +26,6 @@ PREFILL_PACKAGE = "vllm.v1.attention.backends.mla.prefill"
 BASE_MODULE = f"{PREFILL_PACKAGE}.base"
 REGISTRY_MODULE = f"{PREFILL_PACKAGE}.registry"
 SELECTOR_MODULE = f"{PREFILL_PACKAGE}.selector"
-ATTENTION_CONFIG_MODULE = "vllm.config.attention"
 
 INIT_PARAMS = (
     "num_heads",
@@ -144,6 +143,14 @@ def _check_registry(registry: ModuleType, problems: list[str]) -> tuple[Any, boo
     return enum, callable(getattr(enum, "register", None))
 
 
+def _reads_native_knob(func: Any) -> bool:
+    """Whether vLLM's selector reads ``attention_config.mla_prefill_backend`` (True without source)."""
+    try:
+        return "attention_config.mla_prefill_backend" in inspect.getsource(inspect.unwrap(func))
+    except (OSError, TypeError):
+        return True  # bytecode-only installs: the signature checks stand alone
+
+
 def _check_selector(selector: ModuleType, problems: list[str]) -> bool:
     get = _params(getattr(selector, "get_mla_prefill_backend", None))
     if get != ["vllm_config"]:
@@ -168,8 +175,9 @@ def inspect_vllm() -> tuple[Shape | None, list[str]]:
     base_module = _import(BASE_MODULE, problems)
     registry = _import(REGISTRY_MODULE, problems)
     selector = _import(SELECTOR_MODULE, problems)
-    attention = _import(ATTENTION_CONFIG_MODULE, problems)
-    if base_module is None or registry is None or selector is None or attention is None:
+    # Not vllm.config.attention: its import is what usually loads the prefill package, so it is
+    # half-initialised when the bridge lands; the selector reads attention_config.mla_prefill_backend.
+    if base_module is None or registry is None or selector is None:
         return None, problems
     base = getattr(base_module, "MLAPrefillBackend", None)
     _check_base(base, problems)
@@ -179,9 +187,10 @@ def inspect_vllm() -> tuple[Shape | None, list[str]]:
     dims_api = _dims_api(base, base_module, problems)
     enum, string_names = _check_registry(registry, problems)
     auto_takes_capability = _check_selector(selector, problems)
-    fields = getattr(getattr(attention, "AttentionConfig", None), "__dataclass_fields__", {})
-    if "mla_prefill_backend" not in fields:
-        problems.append(f"{ATTENTION_CONFIG_MODULE}.AttentionConfig has no mla_prefill_backend field")
+    if not _reads_native_knob(getattr(selector, "get_mla_prefill_backend", None)):
+        problems.append(
+            f"{SELECTOR_MODULE}.get_mla_prefill_backend no longer reads attention_config.mla_prefill_backend"
+        )
     if problems:
         return None, problems
     return (

@@ -55,13 +55,15 @@ class Finding(NamedTuple):
 
 
 def supported_range() -> str:
-    from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+    from mla_prefill_ext.versions import SUPPORTED_TEXT
 
-    return f"vllm{SUPPORTED_VLLM}"
+    return SUPPORTED_TEXT
 
 
 def install_hint() -> str:
-    return f"install a supported vLLM, which brings PyTorch: pip install '{supported_range()}'"
+    from mla_prefill_ext.versions import INSTALL_SPEC
+
+    return f"install a supported vLLM, which brings PyTorch: pip install '{INSTALL_SPEC}'"
 
 
 def _dist_version(name: str) -> str | None:
@@ -92,7 +94,7 @@ class Host(NamedTuple):
 
 def probe_host(import_vllm: bool = True) -> Host:
     """Versions of vLLM and PyTorch, and whether they import (vLLM only when asked: ~5 s)."""
-    from mla_prefill_ext.patches.version import installed_vllm_version
+    from mla_prefill_ext.versions import installed_vllm_version
 
     vllm_version = installed_vllm_version()
     torch_version = _dist_version("torch")
@@ -133,13 +135,13 @@ class CannotCheck(Report):
         import platform
 
         import mla_prefill_ext
-        from mla_prefill_ext.patches.version import unsupported_reason
+        from mla_prefill_ext.versions import decide
 
         version = self.host.vllm_version
         return {
             "package_version": mla_prefill_ext.__version__,
             "python_version": platform.python_version(),
-            "vllm_supported": version is not None and unsupported_reason(version) is None,
+            "vllm_supported": version is not None and decide(version).reason is None,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -199,11 +201,11 @@ def disabled_lines(disabled: bool, consequence: str) -> list[str]:
 
 def note_unsupported(host: Host) -> None:
     """select and check still run on an unsupported vLLM (vLLM's own code is not used): say so."""
-    from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext.versions import decide
 
-    reason = unsupported_reason(host.vllm_version)
+    reason = decide(host.vllm_version).reason
     if reason is not None:
-        print(f"note: {reason}; the add-on would not patch it. `{PROG} info` says more.", file=sys.stderr)
+        print(f"note: {reason}; the add-on would not serve it. `{PROG} info` says more.", file=sys.stderr)
 
 
 def describe_exception(e: BaseException) -> str:

@@ -42,6 +42,13 @@ class ChoiceReport:
             lines = [f"backend choice: automatic ({BACKEND_ENV} is unset or 'auto')"]
         else:
             lines = [f"backend choice: {info['requested']} (from {info['source']})"]
+        if info.get("vllm_decides"):  # vLLM 0.23+ with no add-on choice: the bridge reports vLLM's pick
+            lines.append(
+                "  vLLM's attention_config.mla_prefill_backend, or else vLLM's own automatic selection "
+                "(with the add-on's claims and TORCH_SDPA fallback), decides; `select` shows the "
+                "add-on's view"
+            )
+            return lines
         lines.append(
             "  an engine's additional_config['mla_prefill_backend'] (or vLLM's legacy prefill flags) "
             "would come first; `select` shows any configuration"
@@ -57,8 +64,12 @@ class ChoiceReport:
         return lines
 
 
-def choice_report(disabled: bool) -> ChoiceReport:
-    """The user's choice, where it came from, and whether it can serve on this machine."""
+def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
+    """The user's choice, where it came from, and whether it can serve on this machine.
+
+    ``bridged`` (vLLM 0.23+): with no choice, vLLM's own automatic selection decides (the
+    bridge's report shows its pick), not the add-on's.
+    """
     import torch
 
     from mla_prefill_ext.backends.base import R1_MLA_DIMS
@@ -82,6 +93,9 @@ def choice_report(disabled: bool) -> ChoiceReport:
         "selected_by_claim": False,
         "error": None,
     }
+    if bridged and choice is None:
+        info["vllm_decides"] = True
+        return ChoiceReport(info, findings)
     try:
         if choice is not None:
             try:
@@ -128,6 +142,13 @@ class InfoReport(Report):
     competing_claims: list[dict[str, Any]]  # backends whose claims put them at one place here
     environment: dict[str, str | None]
     findings: list[Finding] = field(default_factory=list)
+    mode: str = "patch"  # mla_prefill_ext.versions: patch, bridge or none
+    bridge: dict[str, Any] | None = None  # vLLM 0.23+: what the bridge found (bridge.report)
+    bridge_lines: list[str] = field(default_factory=list)
+
+    @property
+    def bridged(self) -> bool:
+        return self.mode == "bridge"
 
     @property
     def problems(self) -> list[Finding]:
@@ -145,6 +166,8 @@ class InfoReport(Report):
             return f"{len(problems)} problem{'s' if len(problems) > 1 else ''} found (see the findings)."
         if self.disabled:
             return "ok: the add-on is disabled, as set; vLLM runs its stock MLA prefill."
+        if self.bridged:
+            return "ok: the add-on is active and bridged into vLLM's own MLA prefill selection."
         if self.platform["served"] is False:
             return (
                 "ok: the add-on is active and vLLM's MLA layer is patched; on this platform vLLM's own "
@@ -162,6 +185,8 @@ class InfoReport(Report):
             "python_version": platform.python_version(),
             "vllm_version": self.host.vllm_version,
             "vllm_supported": self.version_reason is None,
+            "mode": self.mode,
+            "bridge": self.bridge,
             "supported_range": supported_range(),
             "torch_version": self.host.torch_version,
             "disabled_by_env": self.disabled,
@@ -188,6 +213,8 @@ class InfoReport(Report):
 
         if self.disabled:
             state = f"disabled by {DISABLE_ENV}; vLLM runs its stock MLA prefill"
+        elif self.patched and self.bridged:
+            state = "active; its backends are bridged into vLLM's own MLA prefill registry and selector"
         elif self.patched:
             state = "active; vLLM's MLA layer is patched"
         elif self.active:
@@ -200,11 +227,17 @@ class InfoReport(Report):
         vllm_state = "supported" if self.version_reason is None else "NOT supported"
         return [
             header(),
-            f"vLLM {self.host.vllm_version}: {vllm_state} (the add-on supports {supported_range()})",
+            f"vLLM {self.host.vllm_version}: {vllm_state}, mode: {self.mode} "
+            f"(supported: {supported_range()})",
             f"PyTorch {self.host.torch_version}",
             self._addon_line(),
             runtime.platform_line(self.platform, self.patched and not self.disabled, self.disabled),
-            f"patch targets in {self.mla_module} (the add-on wraps or reads each):",
+            *self.bridge_lines,
+            *(
+                []
+                if self.bridged
+                else [f"patch targets in {self.mla_module} (the add-on wraps or reads each):"]
+            ),
             *(
                 f"  {'ok     ' if t.ok else 'PROBLEM'}  {'wraps' if t.wrapped else 'reads'}  {t.path}"
                 + (f": {t.problem}" if t.problem else "")
@@ -228,14 +261,20 @@ def cmd_info(args: argparse.Namespace) -> Report:
         return CannotCheck("info", host)
 
     import mla_prefill_ext
-    from mla_prefill_ext import activation, patches
+    from mla_prefill_ext import activation, patches, versions
     from mla_prefill_ext.patches.targets import inspect_targets
     from mla_prefill_ext.patches.version import unsupported_reason
     from mla_prefill_ext.selector import current_device_capability
     from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV
 
     findings: list[Finding] = []
-    version_reason = unsupported_reason(host.vllm_version)
+    mode = versions.decide(host.vllm_version)
+    bridged = mode.mode == versions.BRIDGE
+    version_reason = None if bridged else unsupported_reason(host.vllm_version)
+    if mode.mode == versions.NONE:
+        version_reason = mode.reason
+    if mode.warning is not None:
+        findings.append(Finding("note", mode.warning))
     if version_reason is not None:
         findings.append(
             Finding(
@@ -276,6 +315,14 @@ def cmd_info(args: argparse.Namespace) -> Report:
     st = patches.state()
     targets = st.targets or (inspect_targets(mla_module) if mla_module is not None else [])
     patched = st.instrumented
+    bridge_info, bridge_lines = None, []
+    if bridged:  # vLLM 0.23+: the bridge, not the patch (mla_prefill_ext.bridge)
+        from mla_prefill_ext.bridge.report import bridge_report
+
+        bridge_info, bridge_lines, bridge_problems = bridge_report()
+        if not disabled:
+            findings += [Finding("problem", p) for p in bridge_problems]
+        targets, patched = [], bool(bridge_info["instrumented"])
     if not disabled and not patched and version_reason is None and not refusals and mla_module is not None:
         findings.append(
             Finding(
@@ -286,7 +333,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
 
     platform_info, platform_findings = runtime.platform_report()
     findings += platform_findings
-    choice = choice_report(disabled)
+    choice = choice_report(disabled, bridged)
     findings += choice.findings
     findings += registrations.overrides_findings(os.environ.get(OVERRIDES_ENV))
     entry_points, entry_point_findings = registrations.entry_point_rows()
@@ -317,4 +364,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
         competing_claims=competing,
         environment={name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)},
         findings=findings,
+        mode=mode.mode,
+        bridge=bridge_info,
+        bridge_lines=bridge_lines,
     )

@@ -57,8 +57,9 @@ class PrefillProblem:
 
     def chunk_bounds(self) -> list[list[int]]:
         """Per context chunk, the offsets of the requests' keys in ``chunk_k[i]``/``chunk_v[i]``."""
-        ctx = self.metadata.chunked_context
-        return [] if ctx is None else ctx.cu_seq_lens.cpu().tolist()
+        from mla_prefill_ext.backends.base import context_chunks
+
+        return [c.cu_seq_lens_cpu.tolist() for c in context_chunks(self.metadata)]
 
     def clone(self) -> PrefillProblem:
         """A copy with fresh tensors in the same layouts (V stays a kv_b_proj tail); metadata shared."""
@@ -131,6 +132,7 @@ def make_problem(
     query_start_loc = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
 
     chunked = None
+    add_on_chunks = None
     chunk_k: list[torch.Tensor] = []
     chunk_v: list[torch.Tensor] = []
     if max(context_lens) > 0:
@@ -153,6 +155,24 @@ def make_problem(
                 )
             )
         totals = cu[:, -1]
+    if chunk_k and not _per_chunk_lists(MLACommonPrefillMetadata.ChunkedContextMetadata):
+        # vLLM 0.29+ describes chunks as objects over their own requests' query rows; a
+        # problem keeps the add-on's view of them (what context_chunks() gives a backend).
+        from mla_prefill_ext.backends.base import ContextChunk
+
+        add_on_chunks = [
+            ContextChunk(
+                index=i,
+                query_start_loc=query_start_loc.to(device),
+                max_query_len=max(new_lens),
+                cu_seq_lens=cu[i].to(device),
+                cu_seq_lens_cpu=cu[i],
+                max_seq_len=int(seq_lens[i].max()),
+                seq_lens=seq_lens[i],
+            )
+            for i in range(num_chunks)
+        ]
+    elif chunk_k:
         chunked = MLACommonPrefillMetadata.ChunkedContextMetadata(
             cu_seq_lens=cu.to(device),
             starts=starts.contiguous().to(device),
@@ -171,11 +191,18 @@ def make_problem(
         q_data_type=dtype,
         output_dtype=dtype,
     )
+    if add_on_chunks is not None:
+        metadata.mla_prefill_context_chunks = add_on_chunks
     v = kv_b_proj_tail(v, qk_nope_head_dim)
     chunk_v = [kv_b_proj_tail(c, qk_nope_head_dim) for c in chunk_v]
     return PrefillProblem(
         q, k, v, chunk_k, chunk_v, metadata, list(new_lens), list(context_lens), full_k, full_v
     )
+
+
+def _per_chunk_lists(chunked_context_cls: type) -> bool:
+    """Whether vLLM's ChunkedContextMetadata has the per-chunk lists of vLLM 0.20-0.27."""
+    return "max_seq_lens" in getattr(chunked_context_cls, "__dataclass_fields__", {})
 
 
 def run_backend(backend: Any, problem: PrefillProblem) -> torch.Tensor:
