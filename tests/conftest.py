@@ -22,6 +22,7 @@ from mla_prefill_ext.testing import vllm_host as host
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _skip_other_modes(items)
     try:
         import torch
 
@@ -38,11 +39,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def _skip_other_modes(items: list[pytest.Item]) -> None:
+    """``vllm_patch`` tests run where the add-on patches vLLM (0.20), ``vllm_bridge`` where it bridges."""
+    from mla_prefill_ext import versions
+
+    mode = versions.decide()
+    where = f"vLLM {mode.vllm_version} is served by the {mode.mode} mode"
+    skips = {
+        "vllm_patch": pytest.mark.skip(reason=f"about the vLLM 0.20 patch; {where}"),
+        "vllm_bridge": pytest.mark.skip(reason=f"about the vLLM 0.23+ bridge; {where}"),
+    }
+    wanted = {versions.PATCH: "vllm_patch", versions.BRIDGE: "vllm_bridge"}.get(mode.mode)
+    for item in items:
+        for marker, skip in skips.items():
+            if marker != wanted and marker in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def flash_attn_kernels() -> None:
+    """Skips a test whose expectations need FLASH_ATTN's kernel module to import here.
+
+    On a CPU box vLLM 0.20.2's wheel has one that imports; 0.25.1's and 0.33.0's need CUDA libraries.
+    """
+    from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
+
+    if not FlashAttnPrefillBackend.is_available():
+        pytest.skip("FLASH_ATTN's kernel module (vllm.vllm_flash_attn or flash-attn) does not import here")
+
+
 @pytest.fixture
 def shim() -> Any:
-    """The add-on activated in this process and vLLM's MLA module patched."""
+    """The add-on activated in this process and vLLM's MLA module patched (vLLM 0.20 only)."""
     import mla_prefill_ext
-    from mla_prefill_ext import patches
+    from mla_prefill_ext import patches, versions
+
+    mode = versions.decide()
+    if mode.mode != versions.PATCH:
+        pytest.skip(f"about the vLLM 0.20 patch; vLLM {mode.vllm_version} is served by the {mode.mode} mode")
 
     mla_prefill_ext.activate()
     module = importlib.import_module(patches.MLA_MODULE)

@@ -81,11 +81,13 @@ def test_entry_point_is_installed():
     assert eps.get("mla_prefill_ext") == "mla_prefill_ext:activate"
 
 
+@pytest.mark.vllm_patch
 def test_wrappers_on_the_real_classes(mla_module):
     for path in WRAPPED:
         assert isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
 
 
+@pytest.mark.vllm_patch
 def test_deactivate_removes_every_wrapper_and_activate_restores(mla_module):
     originals = {path: raw(mla_module, path).__wrapped__ for path in WRAPPED}
     mla_prefill_ext.deactivate()
@@ -98,6 +100,7 @@ def test_deactivate_removes_every_wrapper_and_activate_restores(mla_module):
         assert isinstance(raw(mla_module, path), wrapt.FunctionWrapper), path
 
 
+@pytest.mark.vllm_patch
 def test_activating_twice_wraps_once(mla_module):
     mla_prefill_ext.activate()
     mla_prefill_ext.activate()
@@ -107,6 +110,7 @@ def test_activating_twice_wraps_once(mla_module):
         assert not isinstance(outer.__wrapped__, wrapt.FunctionWrapper), path
 
 
+@pytest.mark.vllm_patch
 def test_missing_target_patches_nothing_and_says_why(mla_module, addon_log, monkeypatch):
     monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
     mla_prefill_ext.deactivate()
@@ -125,6 +129,7 @@ def test_missing_target_patches_nothing_and_says_why(mla_module, addon_log, monk
         mla_prefill_ext.deactivate()
 
 
+@pytest.mark.vllm_patch
 def test_changed_target_shape_patches_nothing(mla_module, monkeypatch):
     mla_prefill_ext.deactivate()
     cls = mla_module.MLACommonImpl
@@ -141,6 +146,7 @@ def test_changed_target_shape_patches_nothing(mla_module, monkeypatch):
     mla_prefill_ext.deactivate()
 
 
+@pytest.mark.vllm_patch
 def test_missing_target_with_explicit_choice_raises(mla_module, monkeypatch):
     monkeypatch.setenv("MLA_PREFILL_BACKEND", "FLASH_ATTN")
     mla_prefill_ext.deactivate()
@@ -158,6 +164,7 @@ def test_missing_target_with_explicit_choice_raises(mla_module, monkeypatch):
         monkeypatch.delenv("MLA_PREFILL_BACKEND")
 
 
+@pytest.mark.vllm_patch
 def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, addon_log):
     from mla_prefill_ext.patches import version
 
@@ -214,10 +221,12 @@ def patch_report(*steps: str, **env: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.vllm_patch
 def test_vllm_plugin_loader_activates_before_import():
     assert "PATCHED True True" in patch_report(LOAD_PLUGINS)
 
 
+@pytest.mark.vllm_patch
 def test_patch_modules_load_only_with_the_mla_module():
     """Activation alone (an API server, a model without MLA) loads none of the patch's modules."""
     loaded = (
@@ -238,6 +247,7 @@ def test_lazy_patch_names_resolve():
         patches.no_such_module  # noqa: B018
 
 
+@pytest.mark.vllm_patch
 def test_activation_after_the_module_was_imported():
     assert "PATCHED True True" in patch_report(IMPORT_MLA, LOAD_PLUGINS)
 
@@ -246,6 +256,7 @@ def test_disable_env_keeps_it_inactive():
     assert "PATCHED False False" in patch_report(LOAD_PLUGINS, MLA_PREFILL_EXT_DISABLE="1")
 
 
+@pytest.mark.vllm_patch
 def test_stale_vllm_prefill_announcement_is_filtered(mla_module):
     logger = logging.getLogger(patches.MLA_MODULE)
 

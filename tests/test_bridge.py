@@ -23,11 +23,7 @@ import torch
 
 from mla_prefill_ext import versions
 
-pytestmark = pytest.mark.skipif(
-    versions.decide().mode != versions.BRIDGE,
-    reason=f"bridge tests: vLLM {versions.installed_vllm_version()} is served by the "
-    f"{versions.decide().mode} mode",
-)
+pytestmark = pytest.mark.vllm_bridge
 
 ROOT = Path(__file__).resolve().parents[1]
 

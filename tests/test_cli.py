@@ -462,6 +462,7 @@ def test_backend_table_script_without_vllm_says_which_python_to_use(harness: Pat
 # info: the doctor
 
 
+@pytest.mark.vllm_patch  # info's report of the patch
 def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -> None:
     proc = slow["info_unsupported_vllm"]
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
@@ -485,6 +486,7 @@ def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -
     assert "  ok       wraps  MLAAttention.__init__" in out
 
 
+@pytest.mark.vllm_patch  # info's report of the patch
 def test_info_reports_bad_settings_and_tries_every_registration(slow: dict[str, Any]) -> None:
     proc = slow["info_bad_settings"]
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
@@ -666,6 +668,7 @@ def test_check_conformance_names_the_property_a_wrong_backend_fails(slow: dict[s
 # Where the add-on serves, and out-of-tree backends' claims on automatic selection
 
 
+@pytest.mark.vllm_patch  # info's report of the patch
 def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -> None:
     proc = slow["info_claim"]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

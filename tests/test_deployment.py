@@ -15,6 +15,8 @@ from test_scope import PLATFORMS, platform_view
 from mla_prefill_ext import activation, settings
 from mla_prefill_ext.testing import vllm_host as host
 
+pytestmark = pytest.mark.vllm_patch  # the patch of vLLM 0.20 (skipped where the add-on bridges)
+
 SETTINGS = {settings.BACKEND_ENV, settings.OVERRIDES_ENV, settings.DISABLE_ENV}
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,6 +42,7 @@ CPU_LOG_LINES = (
 )
 
 
+@pytest.mark.vllm_patch  # the quick start's environment (scripts/setup.sh: vLLM 0.20.2)
 def test_check_command_passes_on_this_machine():
     """The README's main job: one prefill through the selected backend against float64."""
     import torch
@@ -72,6 +75,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+@pytest.mark.vllm_patch  # the quick start's environment (scripts/setup.sh: vLLM 0.20.2)
 def test_info_reports_patch_and_backends():
     import json
 
@@ -87,6 +91,7 @@ def test_info_reports_patch_and_backends():
     assert names["FLASH_ATTN"]["class_path"].endswith("FlashAttnPrefillBackend")
 
 
+@pytest.mark.usefixtures("flash_attn_kernels")
 def test_select_explains_every_candidate():
     import json
 

@@ -18,7 +18,7 @@ from mla_prefill_ext.types import AUTOMATIC
 
 LEGACY_TRTLLM = legacy_flags.TRTLLM_SOURCE
 LEGACY_FLASHINFER = legacy_flags.FLASHINFER_SOURCE
-pytestmark = pytest.mark.usefixtures("clean_selection")
+pytestmark = [pytest.mark.usefixtures("clean_selection"), pytest.mark.vllm_patch]  # vLLM 0.20's flags
 Records = list[logging.LogRecord]
 
 

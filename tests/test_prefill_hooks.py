@@ -16,6 +16,8 @@ import torch
 from mla_prefill_ext.patches.hooks.dispatch import bind_impl_to_backend
 from mla_prefill_ext.testing import vllm_host as host
 
+pytestmark = pytest.mark.vllm_patch  # the patch of vLLM 0.20 (skipped where the add-on bridges)
+
 HEADS, QK, V = 4, 192, 128
 
 

@@ -93,6 +93,7 @@ def test_priorities(capability: tuple[int, int] | None, expected: list[MLAPrefil
         ((10, 0), FlashAttnPrefillBackend),
     ],
 )
+@pytest.mark.usefixtures("flash_attn_kernels")
 def test_automatic_selection_per_device(r1: Path, capability: tuple[int, int] | None, expected: type) -> None:
     cfg = config(r1)
     with device(capability):
@@ -178,6 +179,7 @@ def test_automatic_walks_the_priorities_in_order(
         (None, "AUTO", {"use_trtllm_ragged_deepseek_prefill": True}, "FLASH_ATTN", "automatic"),
     ],
 )
+@pytest.mark.vllm_patch  # vLLM 0.20's legacy attention_config flags
 def test_precedence(
     r1: Path,
     clean_selection: pytest.MonkeyPatch,
@@ -304,6 +306,7 @@ def test_automatic_with_nothing_valid_on_cpu() -> None:
 # Cache
 
 
+@pytest.mark.usefixtures("flash_attn_kernels")
 def test_selection_is_cached(r1: Path) -> None:
     cfg = config(r1)
     with device((9, 0)), mock.patch.object(selector, "select", wraps=selector.select) as spy:
@@ -316,6 +319,7 @@ def test_selection_is_cached(r1: Path) -> None:
         assert spy.call_count == 2
 
 
+@pytest.mark.usefixtures("flash_attn_kernels")
 def test_cache_is_keyed_by_device(r1: Path) -> None:
     cfg = config(r1)
     with device((9, 0)):
@@ -444,6 +448,7 @@ def test_selector_config_from_a_real_vllm_config(r1: Path, non_r1: Path) -> None
     assert not selector.is_deepseek_r1_mla_compatible(config(non_r1))
 
 
+@pytest.mark.usefixtures("flash_attn_kernels")
 def test_a_registration_invalidates_cached_selections(r1: Path) -> None:
     """The cache is keyed on the registry's generation: no selection outlives a registration."""
     from mla_prefill_ext import register_mla_prefill_backend
