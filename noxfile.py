@@ -1,0 +1,61 @@
+"""The test matrix: the CPU suite against each tested vLLM (``python -m nox``; ``-s tests-0.25.1`` for one).
+
+* ``tests-0.20.2`` runs in the interpreter that runs nox: ``.venv`` from
+  ``scripts/setup.sh`` (vLLM 0.20.2, the patch mode).
+* ``tests-0.25.1`` and ``tests-0.33.0`` each have a virtual environment under
+  ``.nox/`` (8-9 GB: vLLM pins its own PyTorch), made once and reused; vLLM and the
+  test tools are installed only when the environment lacks that vLLM, the add-on
+  (editable, from this checkout) every time.
+
+Arguments after ``--`` go to pytest (``python -m nox -- -x tests/test_bridge.py``).
+The supported versions and modes are declared in ``mla_prefill_ext/versions.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import nox
+
+nox.options.sessions = ["tests-0.20.2", "tests-0.25.1", "tests-0.33.0"]
+nox.options.reuse_venv = "yes"
+
+PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6", "pytest-benchmark>=4")
+VENV_VERSIONS = ("0.25.1", "0.33.0")
+
+# The installed vLLM's version without importing vLLM (seconds): "none" when it is absent.
+_VERSION_OF_VLLM = (
+    "from importlib.metadata import distributions as d; "
+    "print(next((x.version for x in d(name='vllm')), 'none'))"
+)
+
+
+@nox.session(name="tests-0.20.2", python=False)
+def tests_0_20_2(session: nox.Session) -> None:
+    """vLLM 0.20.2 (patch mode), in this interpreter (``.venv/bin/python -m nox``)."""
+    found = session.run(sys.executable, "-c", _VERSION_OF_VLLM, silent=True).strip()
+    if found != "0.20.2":
+        session.error(
+            f"this interpreter ({sys.executable}) has vLLM {found}, not 0.20.2: run nox with the "
+            "interpreter of scripts/setup.sh's environment, .venv/bin/python -m nox"
+        )
+    session.run(sys.executable, *PYTEST, *session.posargs)
+
+
+def _bridged(version: str) -> None:
+    @nox.session(name=f"tests-{version}", venv_backend="venv", reuse_venv=True)
+    def tests(session: nox.Session) -> None:
+        found = session.run("python", "-c", _VERSION_OF_VLLM, silent=True).strip()
+        if found != version:
+            session.install(f"vllm=={version}", *TEST_TOOLS)
+        session.install("--no-deps", "-e", ".")
+        session.install("wrapt>=2.5")
+        session.run("python", *PYTEST, *session.posargs)
+
+    tests.__doc__ = f"vLLM {version} (bridge mode), in .nox/tests-{version.replace('.', '-')}."
+    globals()[f"tests_{version.replace('.', '_')}"] = tests
+
+
+for _version in VENV_VERSIONS:
+    _bridged(_version)
