@@ -1,4 +1,4 @@
-"""Pluggable MLA prefill attention backends for vLLM 0.20.x.
+"""Pluggable MLA prefill attention backends for vLLM 0.20.x (patched) and 0.23+ (bridged).
 
 Public API (names as in later upstream vLLM)::
 
@@ -66,12 +66,12 @@ def __getattr__(name: str) -> Any:
         missing = _HOST_MODULES.get((e.name or "").partition(".")[0])
         if missing is None:
             raise
-        from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+        from mla_prefill_ext.versions import INSTALL_SPEC, SUPPORTED_TEXT
 
         raise ModuleNotFoundError(
             f"mla_prefill_ext.{name} needs {missing}, which cannot be imported here ({e}). "
-            f"mla-prefill-ext is an add-on for vLLM (supported: vllm{SUPPORTED_VLLM}); install "
-            f"vLLM, which brings PyTorch: pip install 'vllm{SUPPORTED_VLLM}'. "
+            f"mla-prefill-ext is an add-on for vLLM (supported: {SUPPORTED_TEXT}); install "
+            f"vLLM, which brings PyTorch: pip install '{INSTALL_SPEC}'. "
             "Run `mla-prefill-ext info` to check the installation.",
             name=e.name,
         ) from None

@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import pickle
+import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -495,3 +498,86 @@ def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_s
     result = run_two_steps(cfg, layer)
     print(f"bridged {mutant}:", result["errors"])
     assert result["errors"][1] > TOLERANCE, result["errors"]
+
+
+# Every vLLM process: the plugin hook registers there; a name vLLM's enum got unpickles by name.
+
+
+def run_child(code: str, **env: str) -> str:
+    """A fresh interpreter (as vLLM's spawned engine core), this checkout first on its path."""
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES", "MLA_PREFILL_EXT_DISABLE"):
+        if name not in env:
+            full.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code).strip()],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_a_registration_in_the_driver_reaches_a_fresh_process_through_the_plugin_hook(
+    bridged, clean_selection
+):
+    """CUSTOM registered in this process only; the child runs vLLM's plugin loader, then vLLM's selector."""
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+    from mla_prefill_ext.registry import OVERRIDES_ENV
+
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "custom_backends.WrappedSDPABackend")
+    out = run_child(
+        """
+        import vllm.plugins
+        vllm.plugins.load_general_plugins()  # what vLLM does in every process it starts
+        from vllm.config import AttentionConfig, DeviceConfig, VllmConfig
+        from vllm.v1.attention.backends.mla.prefill import selector
+        cfg = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                         attention_config=AttentionConfig(mla_prefill_backend="CUSTOM"))
+        cls = selector.get_mla_prefill_backend(cfg)
+        print("CHILD", cls.__module__, cls.__qualname__, cls._addon_class.__name__)
+        """,
+        **{OVERRIDES_ENV: os.environ[OVERRIDES_ENV]},
+    )
+    assert "CHILD mla_prefill_ext.bridge.adapters CUSTOM WrappedSDPABackend" in out
+
+
+def test_the_env_variable_alone_selects_in_a_fresh_process(bridged):
+    out = run_child(
+        """
+        import vllm.plugins
+        vllm.plugins.load_general_plugins()
+        from vllm.config import DeviceConfig, VllmConfig
+        from vllm.v1.attention.backends.mla.prefill import selector
+        cls = selector.get_mla_prefill_backend(VllmConfig(device_config=DeviceConfig(device="cpu")))
+        print("CHILD", cls.get_name(), cls.__mro__[2].__module__)
+        """,
+        MLA_PREFILL_BACKEND="TORCH_SDPA",
+    )
+    assert f"CHILD TORCH_SDPA {bridged.base.__module__}" in out
+
+
+def test_a_config_naming_an_addon_backend_unpickles_in_a_fresh_process(bridged, clean_selection, tmp_path):
+    """vLLM 0.33+: a spawned engine core unpickles its configuration before plugins load there."""
+    if not bridged.string_names:
+        pytest.skip(f"vLLM {versions.installed_vllm_version()} takes no new names in its registry")
+    from vllm.config import AttentionConfig
+
+    from mla_prefill_ext.bridge import registration
+
+    registration.sync(bridged, force=True)
+    attention = AttentionConfig(mla_prefill_backend="TORCH_SDPA")
+    assert attention.mla_prefill_backend is bridged.enum.TORCH_SDPA
+    blob = tmp_path / "attention.pickle"
+    blob.write_bytes(pickle.dumps(attention))
+    out = run_child(
+        f"""
+        import pickle, sys
+        attention = pickle.loads(open({str(blob)!r}, "rb").read())
+        member = attention.mla_prefill_backend
+        print("CHILD", member.name, member.get_path(), "mla_prefill_ext.bridge.instrumentor" in sys.modules)
+        """
+    )
+    assert "CHILD TORCH_SDPA mla_prefill_ext.bridge.adapters.TORCH_SDPA False" in out

@@ -31,10 +31,10 @@ import pytest
 
 from mla_prefill_ext import __version__
 from mla_prefill_ext.cli import build_parser
-from mla_prefill_ext.patches.version import SUPPORTED_VLLM
+from mla_prefill_ext.versions import INSTALL_SPEC, SUPPORTED_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPPORTED = f"vllm{SUPPORTED_VLLM}"
+SUPPORTED = SUPPORTED_TEXT
 
 SITECUSTOMIZE = '''
 """Test harness: hide modules (MLA_TEST_HIDE) or fake vLLM's version (MLA_TEST_VLLM_VERSION)."""
@@ -442,7 +442,7 @@ def test_importing_the_package_without_vllm(harness: Path) -> None:
     # Neither: each name says what is missing and which vLLM to install.
     assert lines["vllm,torch"][2].startswith("MLAPrefillBackend missing torch | mla_prefill_ext.")
     for line in (lines["vllm"][3], lines["vllm,torch"][2]):
-        assert f"pip install '{SUPPORTED}'" in line
+        assert f"pip install '{INSTALL_SPEC}'" in line
         assert "mla-prefill-ext info" in line
 
 
@@ -468,7 +468,7 @@ def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     assert_no_traceback(proc)
     out = proc.stdout
-    assert f"vLLM 0.21.0: NOT supported (the add-on supports {SUPPORTED})" in out
+    assert f"vLLM 0.21.0: NOT supported, mode: none (supported: {SUPPORTED})" in out
     assert "add-on: not active (see the findings)" in out
     assert "backend choice: FLASH_ATTN (from MLA_PREFILL_BACKEND)" in out
     findings = [line for line in out.splitlines() if line.startswith("  PROBLEM  ") and "." in line]

@@ -32,14 +32,8 @@ import torch
 
 from mla_prefill_ext.backends.base import R1_MLA_DIMS
 from mla_prefill_ext.bridge import chunks, layers
+from mla_prefill_ext.bridge.registration import ADAPTERS_MODULE
 from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, DIMS_LIST, Shape
-
-ADAPTERS_MODULE = "mla_prefill_ext.bridge.adapters"
-
-
-def adapter_path(name: str) -> str:
-    """The class path vLLM's registry holds for the add-on backend ``name``."""
-    return f"{ADAPTERS_MODULE}.{name}"
 
 
 def addon_selector_config(vllm_selector_config: Any) -> Any:

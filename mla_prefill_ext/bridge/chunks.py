@@ -13,7 +13,6 @@ copies only where vLLM has them (``query_lens_cpu``, the chunk's ``seq_lens``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,17 +42,26 @@ def attach_host_offsets(prefill_metadata: Any) -> None:
         prefill_metadata.query_start_loc_cpu = _cumsum_from_zero(lens)
 
 
-@dataclass
 class ChunkStep:
     """One vLLM 0.29+ context chunk as a prefill step of its own (what a view instance reads)."""
 
-    query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    max_query_len: int
-    q_data_type: Any
-    output_dtype: Any
-    mla_prefill_context_chunks: list[ContextChunk] = field(default_factory=list)
-    chunked_context: Any = None  # the chunk lives in mla_prefill_context_chunks
+    chunked_context = None  # the chunk lives in mla_prefill_context_chunks
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,
+        query_start_loc_cpu: torch.Tensor,
+        max_query_len: int,
+        q_data_type: Any,
+        output_dtype: Any,
+        mla_prefill_context_chunks: list[ContextChunk],
+    ) -> None:
+        self.query_start_loc = query_start_loc
+        self.query_start_loc_cpu = query_start_loc_cpu
+        self.max_query_len = max_query_len
+        self.q_data_type = q_data_type
+        self.output_dtype = output_dtype
+        self.mla_prefill_context_chunks = mla_prefill_context_chunks
 
 
 def chunk_step(prefill_metadata: Any, chunk: Any) -> ChunkStep:

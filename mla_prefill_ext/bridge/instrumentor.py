@@ -14,7 +14,6 @@ the reason, and vLLM selects as it always does.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -35,15 +34,19 @@ BINDING_MODULES = (
 """Modules that hold their own binding of ``get_mla_prefill_backend`` (``from ... import``)."""
 
 
-@dataclass
 class BridgeState:
     """What the bridge did in this process (for diagnostics and tests)."""
 
-    instrumented: bool = False
-    shape: Shape | None = None
-    problem: str | None = None
-    binding_wrapper: Any = None  # what the bindings get: the selection wrapper, or the guard
-    handles: list[tuple[ModuleType, str, Any]] = field(default_factory=list)
+    # A plain class: a dataclass costs about 1 ms to create, in every vLLM process.
+    def __init__(self) -> None:
+        self.instrumented = False
+        self.shape: Shape | None = None
+        self.problem: str | None = None
+        self.binding_wrapper: Any = None  # what the bindings get: the selection wrapper, or the guard
+        self.handles: list[tuple[ModuleType, str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"BridgeState(instrumented={self.instrumented}, problem={self.problem!r})"
 
 
 _STATE = BridgeState()

@@ -27,8 +27,15 @@ import threading
 from typing import Any
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.bridge.adapter import ADAPTERS_MODULE, adapter_path
 from mla_prefill_ext.bridge.shape import Shape
+
+ADAPTERS_MODULE = "mla_prefill_ext.bridge.adapters"
+
+
+def adapter_path(name: str) -> str:
+    """The class path vLLM's registry holds for the add-on backend ``name``."""
+    return f"{ADAPTERS_MODULE}.{name}"
+
 
 _LOCK = threading.RLock()
 _OURS: set[str] = set()  # names this process added to vLLM's enum
@@ -166,7 +173,10 @@ def sync(shape: Shape, force: bool = False) -> None:
     global _synced_generation
     from mla_prefill_ext import discovery, registry
 
-    discovery.discover()
+    if shape.string_names or _synced_generation is not None:
+        # Installed packages are names too. Before vLLM 0.33 none of them can enter vLLM's registry,
+        # so a process that never selects (an API server) skips reading package metadata at start.
+        discovery.discover()
     with _LOCK:
         generation = registry.generation()
         if generation == _synced_generation and not force:

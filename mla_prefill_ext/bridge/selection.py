@@ -30,8 +30,9 @@ from typing import Any
 
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.bridge import registration
-from mla_prefill_ext.bridge.adapter import adapter_class, addon_selector_config
 from mla_prefill_ext.bridge.shape import Shape
+
+# The adapter module (torch, the backends' base) loads at the first selection, not at start.
 
 NATIVE_SOURCE = "attention_config.mla_prefill_backend"
 
@@ -78,6 +79,7 @@ def native_choice(vllm_config: Any) -> Any:
 @lru_cache(maxsize=64)
 def _select(shape: Shape, capability: Any, config: Any, choice: Any, generation: int) -> type:
     from mla_prefill_ext import selector
+    from mla_prefill_ext.bridge.adapter import adapter_class
 
     try:
         selection = selector.select(capability, config, choice)
@@ -109,9 +111,11 @@ def _log_precedence(choice: Any, native: Any) -> None:
 
 def make_get_wrapper(shape: Shape) -> Any:
     """The wrapper of vLLM's ``get_mla_prefill_backend``."""
-    from mla_prefill_ext import registry, selector, settings
 
     def get_mla_prefill_backend(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        # Loaded at the first selection (an MLA layer being built), not at every process start.
+        from mla_prefill_ext import registry, selector, settings
+
         vllm_config = _config_arg(args, kwargs)
         registration.sync(shape)
         choice = addon_choice(vllm_config)
@@ -137,6 +141,7 @@ def make_get_wrapper(shape: Shape) -> Any:
 def _claimed(shape: Shape, capability: Any, config: Any, native_name: str | None, generation: int) -> Any:
     """The first claimed backend that goes before vLLM's pick and can serve (None: none)."""
     from mla_prefill_ext import selector
+    from mla_prefill_ext.bridge.adapter import adapter_class
 
     for member, claim in selector.claims(capability):
         if native_name is not None and claim.before != native_name:
@@ -157,9 +162,11 @@ def _claimed(shape: Shape, capability: Any, config: Any, native_name: str | None
 
 def make_auto_wrapper(shape: Shape) -> Any:
     """The wrapper of vLLM's ``_auto_select_mla_prefill_backend``."""
-    from mla_prefill_ext import registry, selector
 
     def auto_select(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        from mla_prefill_ext import registry, selector
+        from mla_prefill_ext.bridge.adapter import adapter_class, addon_selector_config
+
         vllm_config_selector = kwargs.get("selector_config", args[-1] if args else None)
         if shape.auto_takes_capability:
             capability = kwargs.get("device_capability", args[0] if len(args) > 1 else None)

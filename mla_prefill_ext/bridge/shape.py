@@ -144,11 +144,9 @@ def _check_registry(registry: ModuleType, problems: list[str]) -> tuple[Any, boo
 
 
 def _reads_native_knob(func: Any) -> bool:
-    """Whether vLLM's selector reads ``attention_config.mla_prefill_backend`` (True without source)."""
-    try:
-        return "attention_config.mla_prefill_backend" in inspect.getsource(inspect.unwrap(func))
-    except (OSError, TypeError):
-        return True  # bytecode-only installs: the signature checks stand alone
+    """Whether vLLM's selector reads ``attention_config.mla_prefill_backend`` (names in its code)."""
+    code = getattr(inspect.unwrap(func), "__code__", None) if callable(func) else None
+    return code is not None and {"attention_config", "mla_prefill_backend"} <= set(code.co_names)
 
 
 def _check_selector(selector: ModuleType, problems: list[str]) -> bool:

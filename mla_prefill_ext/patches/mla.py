@@ -21,7 +21,6 @@ from mla_prefill_ext.patches.instrumentor import Instrumentor
 from mla_prefill_ext.patches.layers import MLA_MODULE
 from mla_prefill_ext.patches.scope import current_explicit_choice
 from mla_prefill_ext.patches.targets import PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION, inspect_targets
-from mla_prefill_ext.patches.version import SUPPORTED_VLLM
 
 LAYER_INIT = "MLAAttention.__init__"
 
@@ -36,10 +35,11 @@ def refuse_if_explicit(reason: str) -> None:
     """Raise when the user explicitly chose a backend that cannot be honoured."""
     choice = _explicit_choice()
     if choice:
+        from mla_prefill_ext.versions import SUPPORTED_TEXT
+
         raise RuntimeError(
             f"mla-prefill-ext cannot honour {choice}: {reason}. Unset it to run vLLM's "
-            "stock MLA prefill, or install a supported vLLM "
-            f"(vllm{SUPPORTED_VLLM})."
+            f"stock MLA prefill, or install a supported vLLM ({SUPPORTED_TEXT})."
         )
 
 
