@@ -78,6 +78,8 @@ SCENARIOS = {
         Scenario("shim-fa-tp2", ("--backend-env", "FLASH_ATTN", "--tp", "2"), gpus=2),
         Scenario("shim-fi-tp2", ("--backend-env", "FLASHINFER", "--tp", "2"), gpus=2),
         Scenario("custom-tp2", ("--custom", "--backend-env", "CUSTOM", "--tp", "2"), gpus=2),
+        # The portable backend (used by the bridge's run on vLLM 0.25.1, tests/gpu/bridge_025.sh).
+        Scenario("shim-sdpa", ("--backend-env", "TORCH_SDPA")),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}

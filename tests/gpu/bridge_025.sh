@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The bridge on vLLM 0.25.1 on a GPU, in one go: run from the project root on a CUDA host where the
+# Python in use has vLLM 0.25.1 and this project installed (its vllm.general_plugins entry point must
+# exist). Writes everything under RESULTS (default /tmp/bridge-025):
+#   info.txt             `mla-prefill-ext info` (exit 0: the mode, the bridge, vLLM's registry)
+#   kernels.txt          the kernel suite and the conformance suite on the GPU (version-independent)
+#   <scenario>.json/.log one engine lifetime each (tests/gpu/scenarios.py) on the sharp checkpoint
+#   verdicts.txt         tests/gpu/test_bridge_engine.py over those results
+# GPUS=0,1 runs single-GPU scenarios in parallel. Set CUDA_HOME and MAX_JOBS for FlashInfer's JIT build.
+set -uo pipefail
+results=${1:-/tmp/bridge-025}
+mkdir -p "$results"
+python - <<'PY' || exit 2
+import vllm, sys
+if not vllm.__version__.startswith("0.25"):
+    sys.exit(f"bridge_025.sh: this Python has vLLM {vllm.__version__}, not 0.25.x")
+PY
+export VLLM_USE_FLASHINFER_SAMPLER=0
+python -m mla_prefill_ext info > "$results/info.txt" 2>&1
+echo "info: exit $? (see $results/info.txt)"
+python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/test_conformance.py \
+  > "$results/kernels.txt" 2>&1
+echo "kernels and conformance: exit $? ($(tail -1 "$results/kernels.txt"))"
+python -m tests.gpu.scenarios --results "$results" --gpus "${GPUS:-0}" --only \
+  stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,custom-spawn,mutant-scale,mutant-lse2
+MLA_GPU_RESULTS="$results" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_bridge_engine.py \
+  2>&1 | tee "$results/verdicts.txt"

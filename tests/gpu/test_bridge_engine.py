@@ -1,0 +1,99 @@
+"""The bridge on vLLM 0.25.1, end to end on a GPU: the add-on's backends inside vLLM's own selector.
+
+Run by tests/gpu/bridge_025.sh on a GPU host with vLLM 0.25.1 installed (vLLM 0.33 needs a
+PyTorch the GPU host does not have: the CPU suite is its proof). The scenarios are those of
+the 0.20 suite (tests/gpu/scenarios.py); ``stock`` is vLLM 0.25.1 with the add-on disabled,
+so its MLA prefill is vLLM's own FLASH_ATTN backend. The verdicts:
+
+* the add-on's FLASH_ATTN, chosen by ``MLA_PREFILL_BACKEND`` alone, gives vLLM's own
+  FLASH_ATTN's tokens and logprobs bit for bit (same kernel), with and without 4 context
+  chunks per step;
+* FLASHINFER (``additional_config``; vLLM 0.25 has no FlashInfer prefill on SM90) and
+  TORCH_SDPA stay within bf16 noise;
+* the scale-2% and base-2-LSE mutants (``CUSTOM``) fail that verdict;
+* ``CUSTOM`` registered only in the user's process runs in the spawned engine core.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.test_engine import check, log_of, result
+
+pytestmark = pytest.mark.gpu
+
+VLLM = "0.25"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bridged_vllm() -> None:
+    from mla_prefill_ext import versions
+
+    version = versions.installed_vllm_version() or ""
+    if not version.startswith(VLLM):
+        pytest.skip(f"the bridge's GPU run is for vLLM {VLLM}.x (installed: {version or 'none'})")
+
+
+PARITY = [
+    ("shim-fa", "stock", "identical"),
+    ("shim-fa-chunks", "stock-chunks", "identical"),
+    ("custom-spawn", "stock-eager", "identical"),  # the counting backend runs the add-on's FLASH_ATTN
+    ("shim-fi", "stock", "bf16_noise"),
+    ("shim-fi-chunks", "stock-chunks", "bf16_noise"),
+    ("shim-sdpa", "stock", "bf16_noise"),
+]
+
+
+@pytest.mark.parametrize(("candidate", "reference", "kind"), PARITY, ids=[p[0] for p in PARITY])
+def test_parity_with_vllms_own_flash_attn(candidate, reference, kind):
+    v = check(kind, candidate, reference)
+    print(v)
+    assert v.passed, str(v)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "source"),
+    [
+        ("shim-fa", "FLASH_ATTN", "MLA_PREFILL_BACKEND"),
+        ("shim-fa-chunks", "FLASH_ATTN", "MLA_PREFILL_BACKEND"),
+        ("shim-fi", "FLASHINFER", "additional_config"),
+        ("shim-sdpa", "TORCH_SDPA", "MLA_PREFILL_BACKEND"),
+        ("custom-spawn", "CUSTOM", "MLA_PREFILL_BACKEND"),
+        ("mutant-scale", "CUSTOM", "MLA_PREFILL_BACKEND"),
+        ("mutant-lse2", "CUSTOM", "MLA_PREFILL_BACKEND"),
+    ],
+)
+def test_the_addon_backend_is_in_force_through_vllms_selector(name, backend, source):
+    """The engine process logged the add-on's choice, made inside vLLM 0.25.1's own selector."""
+    data = result(name)
+    assert data["ok"], data.get("error")
+    assert f"Using {backend} MLA prefill backend (mla-prefill-ext, from {source}" in log_of(name)
+    assert "through vLLM 0.25" in log_of(name)
+
+
+@pytest.mark.parametrize("name", ["stock", "stock-chunks", "stock-eager"])
+def test_stock_is_vllms_own_prefill(name):
+    data = result(name)
+    assert data["ok"], data.get("error")
+    assert "mla-prefill-ext" not in log_of(name)
+
+
+@pytest.mark.parametrize("mutant", ["mutant-scale", "mutant-lse2"])
+def test_mutant_backend_fails_the_bf16_noise_verdict(mutant):
+    v = check("bf16_noise", mutant, "stock-chunks")
+    print(f"{mutant} (expected to FAIL):\n{v}")
+    assert not v.passed, f"the verdict cannot tell {mutant} from stock: {v}"
+
+
+def test_custom_registered_in_the_driver_runs_in_the_spawned_engine_core():
+    data = result("custom-spawn")
+    calls = data.get("custom_calls")
+    assert calls and calls["lines"] > 0, "the CUSTOM backend was never called"
+    assert data["pid"] not in calls["pids"], "it ran in the user's process, not the engine's"
+    assert {"new_tokens", "context_chunk"} <= set(calls["kinds"])
+
+
+def test_context_chunks_were_merged_in_the_engine():
+    for name in ("stock-chunks", "shim-fa-chunks", "shim-fi-chunks", "mutant-scale", "mutant-lse2"):
+        ev = result(name)["context_chunks"]
+        assert ev["ran_in_engine_process"] and ev["max_chunks_per_step"] >= 3, (name, ev)
