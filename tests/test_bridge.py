@@ -395,7 +395,7 @@ def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     from test_layer import BLOCK_SIZE, BLOCKS, CHUNK_WORKSPACE, NUM_BLOCKS, make_builder, recording
     from vllm.config import set_current_vllm_config
 
-    from mla_prefill_ext.reference import reference_attention
+    from mla_prefill_ext.testing.reference import reference_attention
 
     mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
     builder = make_builder(cfg, layer, None)

@@ -11,9 +11,9 @@ on first access there too). The adapter holds an instance of the add-on class
   add-on class's own; vLLM's selector config (``mla_dimensions`` from 0.25,
   ``is_r1_compatible`` before) becomes the add-on's ``MLAPrefillSelectorConfig``;
   ``requires_r1_mla_dimensions`` becomes ``supported_mla_dimensions`` on 0.25+.
-* ``clone()`` (vLLM 0.25+'s metadata builder, once per builder): a clone of the
-  add-on instance whose workspace is reserved at once, as the patched 0.20 builder
-  does, so that it is taken before vLLM sizes the KV cache.
+* ``clone()`` (vLLM 0.25+'s metadata builder, once per builder): the backend's kernel
+  warm-up, then a clone of the add-on instance whose workspace is reserved at once, as
+  the patched 0.20 builder does, so that both happen before vLLM sizes the KV cache.
 * ``run_prefill_new_tokens(..., out=, output_scale=)``: ``out`` is filled from the
   add-on's result; a fused output quantization is never asked for
   (``supports_quant_output`` stays vLLM's default, False).
@@ -125,11 +125,15 @@ class _Adapter:
             v_head_dim=self.v_head_dim,
             vllm_config=self.vllm_config,
         )
+        # vLLM 0.25+ clones once per metadata builder, when the builder is created: the moment
+        # the patched 0.20 builder warms the backend's kernels up and reserves its workspace.
+        device = _device(self.vllm_config)
+        dtype = getattr(getattr(self.vllm_config, "model_config", None), "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            self.inner.warm_up(device, dtype, dtype)  # once per process and configuration
         twin._prefill_metadata = None
         twin._set_inner(self.inner.clone())
-        # vLLM 0.25+ clones once per metadata builder, when the builder is created: the
-        # moment the patched 0.20 builder reserves its instances' workspaces.
-        twin.inner.reserve_workspace(_device(self.vllm_config))
+        twin.inner.reserve_workspace(device)
         return twin
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:
