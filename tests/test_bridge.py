@@ -581,3 +581,21 @@ def test_a_config_naming_an_addon_backend_unpickles_in_a_fresh_process(bridged, 
         """
     )
     assert "CHILD TORCH_SDPA mla_prefill_ext.bridge.adapters.TORCH_SDPA False" in out
+
+
+# The conformance suite through the installed vLLM's calling convention.
+
+
+def test_conformance_runs_through_the_installed_vllms_calling_convention(bridged, clean_selection):
+    from mla_prefill_ext.testing import run_conformance
+    from mla_prefill_ext.testing.conventions.bridged import BridgedConvention, installed_vllm_convention
+
+    convention = installed_vllm_convention()
+    assert isinstance(convention, BridgedConvention) and convention.shape.chunk_api == bridged.chunk_api
+    report = run_conformance("TORCH_SDPA", dtype="bfloat16")
+    assert report.ok, report.format()
+    # The same suite through the same convention catches a base-2 LSE and attention across sequences.
+    clean_selection.syspath_prepend(str(Path(__file__).parent))
+    for mutant, prop in (("Base2LSE", "lse.natural_log"), ("CrossSequence", "varlen.isolation")):
+        report = run_conformance(f"conformance_mutants.{mutant}", dtype="bfloat16")
+        assert prop in report.failed_properties, report.format()

@@ -18,7 +18,7 @@ from mla_prefill_ext.testing.cases import (
     make_cases,
     parse_dtypes,
 )
-from mla_prefill_ext.testing.conventions import DEFAULT_CONVENTION, CallingConvention
+from mla_prefill_ext.testing.conventions import CallingConvention
 from mla_prefill_ext.testing.properties import FAIL
 from mla_prefill_ext.testing.report import CheckResult, ConformanceReport
 
@@ -102,6 +102,7 @@ def run_conformance(
     scale: float | None = None,
     seed: int = 0,
     kv_lora_rank: int = KV_LORA_RANK,
+    convention: CallingConvention | None = None,
 ) -> ConformanceReport:
     """Check ``backend`` against every property in :data:`PROPERTIES`; never raises for a bad backend.
 
@@ -113,7 +114,9 @@ def run_conformance(
     ``dims``: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) triples; ``num_heads``: head
     counts. ``scale``: the softmax scale to construct the backend with (default:
     DeepSeek's YaRN-scaled scale for the qk head dim, about 1.59 / sqrt(qk_head_dim),
-    so that a backend using 1/sqrt(qk_head_dim) is caught).
+    so that a backend using 1/sqrt(qk_head_dim) is caught). ``convention``: how the backend is
+    called (default: as the installed vLLM calls it; on vLLM 0.23+ through the bridge's adapter,
+    :mod:`mla_prefill_ext.testing.conventions.bridged`).
     """
     from mla_prefill_ext.selector import current_device_capability
 
@@ -122,7 +125,11 @@ def run_conformance(
     dev = resolve_device(device)
     cap = current_device_capability() if dev.type == "cuda" else None
     cases = make_cases(parse_dtypes(dtype), dims, num_heads, scale)
-    results, skipped = check_cases(cls, cases, dev, cap, seed, kv_lora_rank, DEFAULT_CONVENTION)
+    if convention is None:
+        from mla_prefill_ext.testing.conventions.bridged import installed_vllm_convention
+
+        convention = installed_vllm_convention()
+    results, skipped = check_cases(cls, cases, dev, cap, seed, kv_lora_rank, convention)
     return ConformanceReport(
         backend=cls.get_name(),
         backend_class=f"{cls.__module__}.{cls.__qualname__}",
