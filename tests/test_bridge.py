@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import host
 import pytest
 import torch
 
 from mla_prefill_ext import versions
+from mla_prefill_ext.testing import vllm_host as host
 
 pytestmark = pytest.mark.vllm_bridge
 

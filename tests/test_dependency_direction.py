@@ -5,6 +5,8 @@
   internals) would tie every backend to vLLM's layer internals and to import order.
 - The registry imports no selector (the selector keys its cache on the registry's counter).
 - Nothing under ``patches/`` imports a concrete backend: the patch knows the base class only.
+- The two hosts, ``patches/`` (vLLM 0.20) and ``bridge/`` (vLLM 0.23+), import nothing from each
+  other; the bridge, too, knows the backend base class only.
 - The runtime path (everything but ``testing/`` and the CLI) imports nothing from
   ``mla_prefill_ext.testing``: the conformance kit is a tool, never loaded by an engine.
 
@@ -116,6 +118,18 @@ RULES = (
         _in("patches"),
         concrete_backends,
         "the patch knows the backend base class only (hooks such as accept_layer_hyperparameters)",
+    ),
+    Rule(
+        "patches-import-no-bridge",
+        _in("patches"),
+        lambda: (f"{PACKAGE}.bridge",),
+        "the two hosts (vLLM 0.20's patch, vLLM 0.23+'s bridge) import nothing from each other",
+    ),
+    Rule(
+        "bridge-imports-no-patch-or-concrete-backend",
+        _in("bridge"),
+        lambda: (FORBIDDEN, *concrete_backends()),
+        "the two hosts import nothing from each other; the bridge knows the backend base class only",
     ),
     Rule(
         "runtime-imports-no-testing",

@@ -32,6 +32,5 @@ def mla_layer_hyperparameters(vllm_config: Any) -> dict[str, tuple[float, int, f
 
 
 def hand_layer_reader(backend: Any) -> None:
-    """A backend that plans with the model's layer hyperparameters (FLASHINFER) gets the reader."""
-    if hasattr(backend, "read_layer_hyperparameters") and backend.read_layer_hyperparameters is None:
-        backend.read_layer_hyperparameters = mla_layer_hyperparameters
+    """Hand a layer's backend the reader of the model's layers, as the patch does (a base-class hook)."""
+    backend.accept_layer_hyperparameters(mla_layer_hyperparameters)
