@@ -599,3 +599,58 @@ def test_conformance_runs_through_the_installed_vllms_calling_convention(bridged
     for mutant, prop in (("Base2LSE", "lse.natural_log"), ("CrossSequence", "varlen.isolation")):
         report = run_conformance(f"conformance_mutants.{mutant}", dtype="bfloat16")
         assert prop in report.failed_properties, report.format()
+
+
+# A vLLM whose MLA prefill API the bridge does not know: nothing bridged, an explicit choice refused.
+
+
+def test_an_api_shape_the_bridge_does_not_know_is_refused_in_one_message(
+    bridged, clean_selection, model_dirs
+):
+    import mla_prefill_ext
+    from mla_prefill_ext import bridge
+    from mla_prefill_ext.bridge import shape as shape_module
+
+    mla_prefill_ext.deactivate()
+    found = shape_module._FOUND
+    shape_module._FOUND = (
+        None,
+        ["vllm...base.MLAPrefillBackend.run_prefill_context_chunk takes ['self', 'x']"],
+    )
+    try:
+        clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+        with pytest.raises(RuntimeError) as info:
+            mla_prefill_ext.activate()  # the environment's choice fails at start
+        message = str(info.value)
+        version = versions.installed_vllm_version()
+        assert (
+            f"cannot honour MLA_PREFILL_BACKEND=TORCH_SDPA: vLLM {version}: vLLM's MLA prefill API" in message
+        )
+        assert "run_prefill_context_chunk takes ['self', 'x']" in message
+        clean_selection.delenv("MLA_PREFILL_BACKEND")
+        mla_prefill_ext.activate()
+        assert not bridge.is_instrumented() and bridge.state().problem is not None
+        cfg = config(model_dirs["plain"], additional_config={"mla_prefill_backend": "TORCH_SDPA"})
+        with host.gpu_view(None), pytest.raises(RuntimeError, match="cannot honour additional_config"):
+            bridged.selector.get_mla_prefill_backend(cfg)  # the engine's choice fails at its first layer
+        with host.gpu_view(None):  # no add-on choice: vLLM selects as without the add-on
+            assert stock_outcome(bridged.selector, config(model_dirs["plain"]))[0] in ("class", "ImportError")
+    finally:
+        mla_prefill_ext.deactivate()
+        shape_module._FOUND = found
+        mla_prefill_ext.activate()
+    assert bridge.is_instrumented()
+
+
+def test_the_inspection_names_what_changed():
+    from mla_prefill_ext.bridge import shape
+
+    class ChunkBySomethingElse:
+        def run_prefill_context_chunk(self, piece, q, k, v):  # type: ignore[no-untyped-def]
+            ...
+
+    problems: list[str] = []
+    assert shape._chunk_api(ChunkBySomethingElse, problems) == ""
+    assert "takes ['self', 'piece', 'q', 'k', 'v']" in problems[0] and "chunk_idx" in problems[0]
+    found, problems = shape.inspect_vllm()
+    assert found is not None and problems == []

@@ -117,7 +117,10 @@ def instrument(selector_module: ModuleType | None = None) -> str | None:
             return _STATE.problem
         shape, problems = current()
         if shape is None:
-            return _decline("vLLM's MLA prefill API has changed: " + "; ".join(problems), selector_module)
+            import sys
+
+            module = selector_module or sys.modules.get(SELECTOR_MODULE)
+            return _decline("vLLM's MLA prefill API has changed: " + "; ".join(problems), module)
         module = shape.selector
         _original_get = getattr(getattr(module, GET), "__wrapped__", getattr(module, GET))
         try:
