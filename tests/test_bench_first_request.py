@@ -164,6 +164,7 @@ def test_owners_must_match_the_side():
     assert bench.check_owners(custom, [report([], owners=("vLLM's own",))]) is not None
 
 
+@pytest.mark.vllm_patch  # records vLLM 0.20.2, the version the benchmark measures
 def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_path):
     """On this machine no engine starts: each side fails in its own process and says so."""
     out = tmp_path / "first.json"

@@ -14,6 +14,8 @@ from mla_prefill_ext.patches import ARG_UTILS_MODULE, PATCH_SETS, engine_config,
 from mla_prefill_ext.patches.hooks import layer
 from mla_prefill_ext.testing import vllm_host as host
 
+pytestmark = pytest.mark.vllm_patch  # the engine-config patch set of vLLM 0.20 (skipped where it bridges)
+
 
 @pytest.fixture
 def arg_utils() -> Any:

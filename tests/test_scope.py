@@ -46,6 +46,7 @@ def decision(name: str, impl_cls: type, explicit: bool) -> str | None:
             p.stop()
 
 
+@pytest.mark.vllm_patch  # vLLM 0.20's MLACommonImpl prefill methods
 def test_impl_classes_with_their_own_prefill_are_recognised():
     from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
     from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLAImpl

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,6 +38,7 @@ def run_setup(repo: Path, requirements: str) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.vllm_patch  # scripts/setup.sh's environment is vLLM 0.20.2's
 def test_setup_prints_its_stages_and_logs_pips_output(tmp_path: Path) -> None:
     log = tmp_path / ".venv" / "setup.log"
     for run in (1, 2):  # idempotent: the second run reuses everything, as the first did

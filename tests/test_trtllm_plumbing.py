@@ -26,6 +26,7 @@ import pytest
 import torch
 from vllm.platforms.interface import DeviceCapability
 
+from mla_prefill_ext.backends.base import context_chunks
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
@@ -256,11 +257,11 @@ def test_run_backend_with_context_chunks_matches_reference(
     assert [(c["is_causal"], c["lse"] is not None) for c in kernel.calls] == [(True, True)] + [
         (False, True)
     ] * 3
-    chunk = problem.metadata.chunked_context
+    chunks = context_chunks(problem.metadata)  # vLLM 0.29+ problems carry only this view
     for i, call in enumerate(kernel.calls[1:]):
-        assert call["seq_lens"].tolist() == chunk.seq_lens[i].tolist()
-        assert call["max_kv_len"] == chunk.max_seq_lens[i]
-        assert torch.equal(call["cum_seq_lens_kv"], chunk.cu_seq_lens[i])
+        assert call["seq_lens"].tolist() == chunks[i].seq_lens.tolist()
+        assert call["max_kv_len"] == chunks[i].max_seq_len
+        assert torch.equal(call["cum_seq_lens_kv"], chunks[i].cu_seq_lens)
         assert call["key"] is problem.chunk_k[i]
     assert kernel.calls[0]["key"] is problem.k
 
