@@ -22,6 +22,6 @@ python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/test_con
   > "$results/kernels.txt" 2>&1
 echo "kernels and conformance: exit $? ($(tail -1 "$results/kernels.txt"))"
 python -m tests.gpu.scenarios --results "$results" --gpus "${GPUS:-0}" --only \
-  stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,custom-spawn,mutant-scale,mutant-lse2
+  stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,shim-sdpa-eager,custom-spawn,mutant-scale,mutant-lse2
 MLA_GPU_RESULTS="$results" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_bridge_engine.py \
   2>&1 | tee "$results/verdicts.txt"

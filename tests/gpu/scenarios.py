@@ -80,6 +80,7 @@ SCENARIOS = {
         Scenario("custom-tp2", ("--custom", "--backend-env", "CUSTOM", "--tp", "2"), gpus=2),
         # The portable backend (used by the bridge's run on vLLM 0.25.1, tests/gpu/bridge_025.sh).
         Scenario("shim-sdpa", ("--backend-env", "TORCH_SDPA")),
+        Scenario("shim-sdpa-eager", ("--backend-env", "TORCH_SDPA", "--eager")),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}

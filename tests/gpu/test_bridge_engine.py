@@ -40,7 +40,8 @@ PARITY = [
     ("custom-spawn", "stock-eager", "identical"),  # the counting backend runs the add-on's FLASH_ATTN
     ("shim-fi", "stock", "bf16_noise"),
     ("shim-fi-chunks", "stock-chunks", "bf16_noise"),
-    ("shim-sdpa", "stock", "bf16_noise"),
+    ("shim-sdpa", "stock", "bf16_noise"),  # compiled against compiled: not against stock-eager
+    ("shim-sdpa-eager", "stock-eager", "bf16_noise"),
 ]
 
 
@@ -58,6 +59,7 @@ def test_parity_with_vllms_own_flash_attn(candidate, reference, kind):
         ("shim-fa-chunks", "FLASH_ATTN", "MLA_PREFILL_BACKEND"),
         ("shim-fi", "FLASHINFER", "additional_config"),
         ("shim-sdpa", "TORCH_SDPA", "MLA_PREFILL_BACKEND"),
+        ("shim-sdpa-eager", "TORCH_SDPA", "MLA_PREFILL_BACKEND"),
         ("custom-spawn", "CUSTOM", "MLA_PREFILL_BACKEND"),
         ("mutant-scale", "CUSTOM", "MLA_PREFILL_BACKEND"),
         ("mutant-lse2", "CUSTOM", "MLA_PREFILL_BACKEND"),
