@@ -23,10 +23,14 @@ A side ``NAME@LABEL`` runs the add-on from another code tree (``--tree LABEL=DIR
 folder holding an ``mla_prefill_ext`` package, put first on that engine's PYTHONPATH):
 two versions of the add-on measured in one run, taking turns.
 
-Model: the tiny DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``, R1 dims,
-16 heads) with vLLM's dummy weights (timing does not depend on the values), default
-torch.compile + CUDA graphs, vLLM's default scheduling (async scheduling as vLLM
-decides; recorded per side).
+Model (``--model``): by default DeepSeek-R1 as one GPU of TP=8 sees it
+(``scripts/bench/models/r1_tp8_slice``: 61 layers, 16 heads, hidden 7168, q_lora 1536,
+dense MLP 2304; its README says why), with vLLM's dummy weights (timing does not depend
+on the values). The GPU suite's tiny 4-layer model (``--model tests/gpu/tiny_deepseek_v2``)
+is host-bound: its single runs spread by +-25%. torch.compile + CUDA graphs by default,
+``--eager`` without; vLLM's default scheduling (async scheduling as vLLM decides;
+recorded per side). Works on vLLM 0.20 (the patch) and 0.23+ (the bridge): the check
+of what owns prefill reads either host.
 """
 
 from __future__ import annotations
@@ -44,8 +48,7 @@ from typing import Any
 import common
 from common import ROOT
 
-MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
-VOCAB = 32000
+MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
 SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
 
@@ -63,22 +66,35 @@ def side_env(side: str) -> dict[str, str]:
 
 
 def prefill_owners(worker: Any) -> dict[str, Any]:
-    """Runs in each worker (collective_rpc): what owns prefill in this engine."""
+    """Runs in each worker (collective_rpc): what owns prefill in this engine.
+
+    vLLM 0.20 layers own no prefill backend (stock: none; the patch adds one); from
+    0.21 every MLA layer owns one, vLLM's own class or, through the bridge, the
+    add-on's adapter (its module is the add-on's). ``addon`` says which.
+    """
     import sys as _sys
 
-    owners = set()
+    owners, addon = set(), set()
     for module in worker.get_model().modules():
         if hasattr(module, "prefill_backend") and type(module).__name__ == "MLAAttention":
             backend = module.prefill_backend
             owners.add(backend.get_name() if backend is not None else "vLLM's own")
-    # The MLA patch set's module (patches.instrumentor in trees before the patch-set base class).
-    patches = _sys.modules.get("mla_prefill_ext.patches.mla") or _sys.modules.get(
-        "mla_prefill_ext.patches.instrumentor"
-    )
+            addon.add(backend is not None and type(backend).__module__.startswith("mla_prefill_ext"))
+    # The host's instrumentor: the MLA patch set (vLLM 0.20; patches.instrumentor in trees
+    # before the patch-set base class) or the bridge (vLLM 0.23+).
+    hosts = [
+        getattr(_sys.modules.get(name), "is_instrumented", None)
+        for name in (
+            "mla_prefill_ext.patches.mla",
+            "mla_prefill_ext.patches.instrumentor",
+            "mla_prefill_ext.bridge.instrumentor",
+        )
+    ]
     package = _sys.modules.get("mla_prefill_ext")
     return {
         "owners": sorted(owners),
-        "patched": bool(patches and patches.is_instrumented()),
+        "addon_owned": sorted(addon),
+        "patched": any(h is not None and h() for h in hosts),
         "pid": os.getpid(),
         "package": getattr(package, "__file__", None),
     }
@@ -99,13 +115,14 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
     try:
         t0 = time.perf_counter()
         llm = LLM(
-            model=str(MODEL_DIR),
+            model=str(args.model),
             load_format="dummy",
             skip_tokenizer_init=True,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_mem,
             seed=0,
+            enforce_eager=args.eager,
             moe_backend="triton",
         )
         ready_s = time.perf_counter() - t0
@@ -126,9 +143,9 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
     }
     for report in reports:
         if side == "stock":
-            ok = not report["patched"] and not report["owners"]
+            ok = not report["patched"] and True not in report["addon_owned"]
         else:
-            ok = report["patched"] and report["owners"] == [backend]
+            ok = report["patched"] and report["owners"] == [backend] and report["addon_owned"] == [True]
             if tree is not None:
                 ok = ok and Path(report["package"]).parent == tree / "mla_prefill_ext"
         if not ok:
@@ -137,9 +154,9 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
     return llm, info
 
 
-def prompts(length: int, batch: int, seed: int) -> list[list[int]]:
+def prompts(length: int, batch: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, VOCAB) for _ in range(length)] for _ in range(batch)]
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(batch)]
 
 
 def tabulate(
@@ -199,6 +216,8 @@ def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
 
 def main() -> int:
     parser = common.parser(__doc__)
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="model folder (config.json)")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
     parser.add_argument("--sides", default="stock,FLASH_ATTN,FLASHINFER", help="stock and/or backend names")
     parser.add_argument("--grid", default=DEFAULT_GRID, help="prompt_len x batch points")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (one more untimed first)")
@@ -219,6 +238,7 @@ def main() -> int:
     sides = args.sides.split(",")
     pairs = [tuple(p.split("/", 1)) for p in args.compare.split(",")]
     grid = parse_grid(args.grid)
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # each engine core reads its own environment
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
@@ -241,7 +261,7 @@ def main() -> int:
         for length, batch in grid:
             batch_prompts = [
                 TokensPrompt(prompt_token_ids=p)
-                for p in prompts(length, batch, seed=(rep * 1_000_003 + length) * 131 + batch)
+                for p in prompts(length, batch, (rep * 1_000_003 + length) * 131 + batch, vocab)
             ]
             for side in order:
                 t = time.perf_counter()
@@ -250,12 +270,11 @@ def main() -> int:
                     seconds[side].setdefault(f"{length}x{batch}", []).append(time.perf_counter() - t)
         print(f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order})", flush=True)
 
-    record = {
-        "args": {**vars(args), "trees": {k: str(v) for k, v in args.trees.items()}},
-        "engines": info,
-        "seconds": seconds,  # raw, written before any arithmetic on it
-        "command": sys.argv,
-    }
+    record = common.record(
+        args={**vars(args), "model": str(args.model), "trees": {k: str(v) for k, v in args.trees.items()}},
+        engines=info,
+        seconds=seconds,  # raw, written before any arithmetic on it
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     table, summary = tabulate(seconds, grid, sides, pairs)

@@ -6,7 +6,8 @@
 #   kernels.txt          the kernel suite and the conformance suite on the GPU (version-independent)
 #   <scenario>.json/.log one engine lifetime each (tests/gpu/scenarios.py) on the sharp checkpoint
 #   verdicts.txt         tests/gpu/test_bridge_engine.py over those results
-# GPUS=0,1 runs single-GPU scenarios in parallel. Set CUDA_HOME and MAX_JOBS for FlashInfer's JIT build.
+# GPUS=0,1 runs single-GPU scenarios in parallel; ONLY=a,b runs those scenarios alone (the verdicts of
+# the others skip). Set CUDA_HOME and MAX_JOBS for FlashInfer's JIT build.
 set -uo pipefail
 results=${1:-/tmp/bridge-025}
 mkdir -p "$results"
@@ -22,6 +23,11 @@ python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/test_con
   > "$results/kernels.txt" 2>&1
 echo "kernels and conformance: exit $? ($(tail -1 "$results/kernels.txt"))"
 python -m tests.gpu.scenarios --results "$results" --gpus "${GPUS:-0}" --only \
-  stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,shim-sdpa-eager,custom-spawn,mutant-scale,mutant-lse2
+  "${ONLY:-stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,shim-sdpa-eager,custom-spawn,mutant-scale,mutant-lse2}"
+if [[ -n ${ONLY:-} ]]; then  # the verdicts would run the missing scenarios on demand
+  echo "verdicts: not run (ONLY); replay with earlier results: MLA_GPU_RESULTS=EARLIER:$results" \
+    "python -m pytest -q -s tests/gpu/test_bridge_engine.py (a vLLM 0.25 environment; no GPU needed)"
+  exit 0
+fi
 MLA_GPU_RESULTS="$results" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_bridge_engine.py \
   2>&1 | tee "$results/verdicts.txt"
