@@ -67,12 +67,14 @@ def activate() -> None:
     ask_vllm_to_copy_to_ray()
     if is_disabled():
         return
-    from mla_prefill_ext import patches, versions
+    from mla_prefill_ext import versions
 
     decision = versions.decide()
     if decision.mode == versions.BRIDGE:
-        _activate_bridge(decision)
+        _activate_bridge(decision)  # the patch's package is never imported there
         return
+    from mla_prefill_ext import patches
+
     with _LOCK:
         if _active:
             return

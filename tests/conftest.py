@@ -33,7 +33,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host: see docs/gpu-verification.md)")
     # The engine verdicts only read recorded results: with MLA_GPU_RESULTS they replay anywhere.
-    replay = {"test_engine.py", "test_deployments.py"} if os.environ.get("MLA_GPU_RESULTS") else set()
+    replay = (
+        {"test_engine.py", "test_deployments.py", "test_bridge_engine.py"}
+        if os.environ.get("MLA_GPU_RESULTS")
+        else set()
+    )
     for item in items:
         if "gpu" in item.keywords and item.path.name not in replay:
             item.add_marker(skip)

@@ -45,28 +45,46 @@ from common import ROOT
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 MARK = "--- after vllm ---"
-# Activation's post-import hook: one for every patch set, or (trees before patches.PATCH_SETS) the MLA one.
-HOOK = 'hook = "_on_imported" if hasattr(a, "_on_imported") else "_on_mla_module_imported"'
+# Activation's post-import hooks: one for every patch set (vLLM 0.20), one for the bridge's modules
+# (vLLM 0.23+), or (trees before patches.PATCH_SETS) the MLA one. Each existing one is wrapped.
+HOOKS = ("_on_imported", "_on_mla_module_imported", "_on_bridge_module_imported")
+WRAP_HOOKS = f"""
+def wrap(name, around):
+    inner = getattr(a, name, None)
+    if inner is not None:
+        setattr(a, name, lambda m: around(inner, m))
+for name in {HOOKS!r}:
+    wrap(name, around)
+"""
+# The add-on landed: the patch (vLLM 0.20) or the bridge (vLLM 0.23+, trees that have one).
+# Asked in the order that imports nothing more than the mode loaded: the bridge's package is loaded
+# by then where it applies, the patch's lazy modules are not.
+LANDED = """
+bridge = sys.modules.get("mla_prefill_ext.bridge")
+if bridge is not None and bridge.is_instrumented():
+    landed = True
+else:
+    from mla_prefill_ext import patches
+    landed = patches.is_instrumented()
+"""
 
 TIMED = f"""
 import sys, time, vllm
 t = time.perf_counter()
 import mla_prefill_ext
 from mla_prefill_ext import activation as a
-{HOOK}
-inner = getattr(a, hook)
 spent = []
-def timed(m):
-    s = time.perf_counter(); inner(m)
-    if m.__name__ == {MLA_MODULE!r}: spent.append(time.perf_counter() - s)
-setattr(a, hook, timed)
+def around(inner, m):
+    s = time.perf_counter(); inner(m); spent.append(time.perf_counter() - s)
+{WRAP_HOOKS}
 mla_prefill_ext.activate()
 act = time.perf_counter() - t
+before = sum(spent)  # hooks run by activate() itself (modules vLLM had already imported)
 print({MARK!r}, file=sys.stderr, flush=True)
 import importlib; importlib.import_module({MLA_MODULE!r})
-from mla_prefill_ext import patches
-assert patches.is_instrumented() and len(spent) == 1, "the patch was not applied by the hook"
-import json; print(json.dumps({{"activate_ms": act * 1e3, "patch_ms": spent[0] * 1e3,
+{LANDED}
+assert landed and spent, "neither the patch nor the bridge was applied by the hooks"
+import json; print(json.dumps({{"activate_ms": act * 1e3, "patch_ms": (sum(spent) - before) * 1e3,
     "file": mla_prefill_ext.__file__}}))
 """
 
@@ -74,12 +92,10 @@ HOOK_PROFILE = f"""
 import cProfile, io, pstats, vllm
 import mla_prefill_ext
 from mla_prefill_ext import activation as a
-{HOOK}
-inner = getattr(a, hook)
 prof = cProfile.Profile()
-def profiled(m):
+def around(inner, m):
     prof.enable(); inner(m); prof.disable()
-setattr(a, hook, profiled)
+{WRAP_HOOKS}
 prof.enable(); mla_prefill_ext.activate(); prof.disable()
 import importlib; importlib.import_module({MLA_MODULE!r})
 out = io.StringIO()
