@@ -3,9 +3,11 @@
 * ``tests-0.20.2`` runs in the interpreter that runs nox: ``.venv`` from
   ``scripts/setup.sh`` (vLLM 0.20.2, the patch mode).
 * ``tests-0.25.1`` and ``tests-0.33.0`` each have a virtual environment under
-  ``.nox/`` (8-9 GB: vLLM pins its own PyTorch), made once and reused; vLLM and the
-  test tools are installed only when the environment lacks that vLLM, the add-on
-  (editable, from this checkout) every time.
+  ``.nox/`` (8-9 GB: vLLM pins its own PyTorch), made once and reused; vLLM is installed
+  only when the environment lacks that release; the test tools (a no-op once there) and the
+  add-on (editable, from this checkout) every time.
+
+pytest runs with two workers (pytest-xdist, ``-n 2 --dist loadfile``).
 
 Arguments after ``--`` go to pytest (``python -m nox -- -x tests/test_bridge.py``).
 The supported versions and modes are declared in ``mla_prefill_ext/versions.py``.
@@ -20,8 +22,9 @@ import nox
 nox.options.sessions = ["tests-0.20.2", "tests-0.25.1", "tests-0.33.0"]
 nox.options.reuse_venv = "yes"
 
-PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6", "pytest-benchmark>=4")
+# Two workers, each test module kept on one (module-scoped fixtures start their processes once).
+PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile")
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pytest-benchmark>=4")
 VENV_VERSIONS = ("0.25.1", "0.33.0")
 
 # The installed vLLM's version without importing vLLM (seconds): "none" when it is absent.
@@ -49,6 +52,8 @@ def _bridged(version: str) -> None:
         found = session.run("python", "-c", _VERSION_OF_VLLM, silent=True).strip()
         if found != version:
             session.install(f"vllm=={version}", *TEST_TOOLS)
+        else:
+            session.install(*TEST_TOOLS)  # a no-op once they are there
         session.install("--no-deps", "-e", ".")
         session.install("wrapt>=2.5")
         session.run("python", *PYTEST, *session.posargs)

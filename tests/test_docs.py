@@ -29,10 +29,13 @@ def test_readme_backend_table_is_current():
 def test_readme_quick_start_commands_exist():
     text = (ROOT / "README.md").read_text()
     assert "bash scripts/setup.sh && .venv/bin/mla-prefill-ext check" in text
-    assert ".venv/bin/python -m pytest -q" in text
+    assert ".venv/bin/python -m pytest -q -n 2 --dist loadfile" in text
     # CI runs the whole matrix; its vLLM 0.20.2 session is that same command, in .venv.
     assert ".venv/bin/python -m nox" in (ROOT / ".ci" / "run").read_text()
-    assert '"-m", "pytest", "-q"' in (ROOT / "noxfile.py").read_text()
+    assert (
+        '"-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile"'
+        in (ROOT / "noxfile.py").read_text()
+    )
     assert ".venv/bin/python -m nox" in text
 
 
