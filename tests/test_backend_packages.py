@@ -66,26 +66,30 @@ def test_the_first_missed_name_discovers_the_installed_packages_once(site):
     """No selection ran: a lookup, the enum and a listing find the package; later misses stay cheap."""
     install(
         site,
-        "fakepkg-one",
-        {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
-        {"fakepkg_one": fake_backend("FAKE_ONE")},
+        "fakepkg-first-miss",
+        {"FIRST_MISS": "fakepkg_first_miss:FirstMissBackend"},
+        {"fakepkg_first_miss": fake_backend("FIRST_MISS")},
     )
+    # Names no other test registers: members added to the enum stay for the process (a worker
+    # runs other modules first), and a name known already would make the first miss no miss.
+    assert not {"FIRST_MISS", "INSTALLED_LATER"} & set(MLAPrefillBackendEnum.__members__)
     assert discovery._DISCOVERED is None
-    assert registry.lookup("fake_one").name == "FAKE_ONE"
-    assert MLAPrefillBackendEnum["FAKE_ONE"] is MLAPrefillBackendEnum.FAKE_ONE
-    assert "FAKE_ONE" in {m.name for m, _ in registry.registered_backends()}
-    assert "fakepkg_one" not in sys.modules  # still metadata only
+    assert registry.lookup("first_miss").name == "FIRST_MISS"
+    assert MLAPrefillBackendEnum["FIRST_MISS"] is MLAPrefillBackendEnum.FIRST_MISS
+    assert "FIRST_MISS" in {m.name for m, _ in registry.registered_backends()}
+    assert "fakepkg_first_miss" not in sys.modules  # still metadata only
     # Discovery ran once: a package installed after it is not read again at each miss.
-    late = {"fakepkg_late": fake_backend("FAKE_LATE")}
-    install(site / "later", "fakepkg-late", {"FAKE_LATE": "fakepkg_late:FakeLateBackend"}, late)
+    late = {"fakepkg_installed_later": fake_backend("INSTALLED_LATER")}
+    entries = {"INSTALLED_LATER": "fakepkg_installed_later:InstalledLaterBackend"}
+    install(site / "later", "fakepkg-installed-later", entries, late)
     sys.path.insert(0, str(site / "later"))
     try:
-        with pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'FAKE_LATE'.*FAKE_ONE"):
-            registry.lookup("FAKE_LATE")
+        with pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'INSTALLED_LATER'.*FIRST_MISS"):
+            registry.lookup("INSTALLED_LATER")
         with pytest.raises(AttributeError):
-            MLAPrefillBackendEnum.FAKE_LATE  # noqa: B018
+            MLAPrefillBackendEnum.INSTALLED_LATER  # noqa: B018
         discovery.discover(refresh=True)
-        assert MLAPrefillBackendEnum["FAKE_LATE"].get_class().get_name() == "FAKE_LATE"
+        assert MLAPrefillBackendEnum["INSTALLED_LATER"].get_class().get_name() == "INSTALLED_LATER"
     finally:
         sys.path.remove(str(site / "later"))
 
