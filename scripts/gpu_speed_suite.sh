@@ -5,8 +5,9 @@
 #    check failing for planning from device offsets, and JIT-builds FlashInfer's kernels);
 # 2. the host time of one step's preparation per backend, GPU idle and busy (scripts/bench/plan.py);
 # 3. engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once, interleaved
-#    (scripts/bench/engine.py); with --prev DIR also FLASHINFER from the code tree in DIR (a folder
-#    holding an earlier mla_prefill_ext), to compare two versions in one run;
+#    (scripts/bench/engine.py, its default model: the 61-layer R1 slice); with --prev DIR also
+#    FLASHINFER from the code tree in DIR (a folder holding an earlier mla_prefill_ext), to compare
+#    two versions in one run;
 # 4. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims,
 #    scripts/bench/kernel.py);
 # 5. the start-up profile (scripts/bench/startup.py), last, on an otherwise idle host.
