@@ -235,7 +235,7 @@ def test_patch_modules_load_only_with_the_mla_module():
         "print('BRIDGE', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.bridge')))"
     )
     out = patch_report(LOAD_PLUGINS, loaded)
-    assert "LOADED ['mla_prefill_ext.patches.layers']" in out  # the version table is mla_prefill_ext.versions
+    assert "LOADED []" in out  # the version table is in versions, the MLA module's name in mla_layers
     assert "BRIDGE []" in out  # the other host never loads on vLLM 0.20
     assert "PATCHED True True" in out
 

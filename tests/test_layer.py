@@ -94,7 +94,7 @@ def test_flashinfer_reads_the_layers_through_the_reader_the_patch_hands_it(
     """The layers' hyperparameters come from the patch (backends never import it): handed to the
     layer's backend when the layer builds it, passed on to the builder's instances by clone()."""
     from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend, GlobalHyperparameters
-    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
+    from mla_prefill_ext.mla_layers import mla_layer_hyperparameters
 
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 16))

@@ -22,13 +22,14 @@ import wrapt
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.bridge import registration, selection
 from mla_prefill_ext.bridge.shape import PREFILL_PACKAGE, SELECTOR_MODULE, Shape, current
+from mla_prefill_ext.mla_layers import MLA_MODULE
 
 GET = "get_mla_prefill_backend"
 AUTO = "_auto_select_mla_prefill_backend"
 
 BINDING_MODULES = (
     PREFILL_PACKAGE,
-    "vllm.model_executor.layers.attention.mla_attention",
+    MLA_MODULE,
     "vllm.models.kimi_k3.nvidia.mla",
 )
 """Modules that hold their own binding of ``get_mla_prefill_backend`` (``from ... import``)."""

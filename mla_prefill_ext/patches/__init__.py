@@ -6,11 +6,11 @@ all or none), listed once in :data:`PATCH_SETS` with the vLLM module each patche
 ``engine_config`` (the settings stamped into the engine configuration). Beside them:
 ``version`` (the vLLM versions supported), ``targets`` (what the MLA patch wraps and the
 shape each must have), ``scope`` (where the add-on takes over), ``legacy_flags`` (vLLM
-0.20's own prefill flags, read as a choice for the selector), ``layers`` (reading vLLM's
-MLA layers).
+0.20's own prefill flags, read as a choice for the selector). vLLM's MLA layers are read
+by :mod:`mla_prefill_ext.mla_layers`, shared with the bridge.
 
-Only ``layers`` (for :data:`MLA_MODULE`) loads with the package: activation needs no
-more, so a vLLM process that never imports the MLA module (an API server, a model
+None of them loads with the package: activation needs no more than :data:`MLA_MODULE`,
+so a vLLM process that never imports the MLA module (an API server, a model
 without MLA) never loads the rest. The names below load on first use.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from mla_prefill_ext.patches.layers import MLA_MODULE
+from mla_prefill_ext.mla_layers import MLA_MODULE
 
 if TYPE_CHECKING:
     from mla_prefill_ext.patches.instrumentor import Instrumentor

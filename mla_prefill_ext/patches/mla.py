@@ -16,9 +16,9 @@ from typing import Any
 import wrapt
 
 from mla_prefill_ext._logging import logger
+from mla_prefill_ext.mla_layers import MLA_MODULE
 from mla_prefill_ext.patches.hooks import builder, dispatch, layer
 from mla_prefill_ext.patches.instrumentor import Instrumentor
-from mla_prefill_ext.patches.layers import MLA_MODULE
 from mla_prefill_ext.patches.scope import current_explicit_choice
 from mla_prefill_ext.patches.targets import PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION, inspect_targets
 

@@ -66,7 +66,7 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     from vllm.config import get_current_vllm_config
 
     from mla_prefill_ext import settings
-    from mla_prefill_ext.patches.layers import mla_layer_hyperparameters
+    from mla_prefill_ext.mla_layers import mla_layer_hyperparameters
     from mla_prefill_ext.patches.legacy_flags import backend_for
 
     vllm_config = get_current_vllm_config()

@@ -23,10 +23,9 @@ import torch
 
 from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
 from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, Shape
+from mla_prefill_ext.mla_layers import MLA_MODULE
 from mla_prefill_ext.testing.conventions.base import StepResult, synchronize
 from mla_prefill_ext.testing.problem import PrefillProblem
-
-MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 
 
 def _build(cls: type, **values: Any) -> Any:

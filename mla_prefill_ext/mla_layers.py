@@ -1,4 +1,9 @@
-"""Reading vLLM's MLA layers: what the backends need to know about them."""
+"""Reading vLLM's MLA layers, for both hosts: what the backends need to know about them.
+
+The MLA layer and its module path are the same on every vLLM the add-on serves (0.20's
+patch and 0.23+'s bridge), so one reader serves both; each host hands it to a layer's
+backend through the base-class hook ``accept_layer_hyperparameters``.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,10 @@ def mla_layer_hyperparameters(
 ) -> dict[str, tuple[float, int, float]]:
     """(sm_scale, window_left, logits_soft_cap) of every MLA layer registered so far.
 
-    The scale is the layer's own ``scale`` (the only scale); window and soft cap
-    come from the layer's attention implementation, as vLLM 0.20 reads them.
-    FLASHINFER is handed this reader when a layer builds it (``wrappers.layer_init``):
-    backends never import the patch.
+    The scale is the layer's own ``scale`` (the only scale, as vLLM 0.23+ also hands it to
+    its prefill backends); window and soft cap come from the layer's attention
+    implementation, as vLLM's FlashInfer prefill reads them. FLASHINFER is handed this
+    reader when a layer builds it: backends never import a host.
     """
     if vllm_config is None:
         return {}
