@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +26,7 @@ __all__ = ["DISABLE_ENV", "activate", "deactivate", "is_active", "is_disabled"]
 
 _LOCK = threading.Lock()
 _active = False
-_hooks_registered = False
+_HOOKED: set[str] = set()  # the hosts whose post-import hooks wrapt holds ("patch", "bridge")
 
 
 def is_active() -> bool:
@@ -57,7 +58,7 @@ def activate() -> None:
     nothing, and the MLA one only guards against an explicit backend choice (see
     ``patches.skip``). On vLLM 0.23+ the bridge is armed instead (:mod:`mla_prefill_ext.bridge`).
     """
-    global _active, _hooks_registered
+    global _active
     if _vllm_missing():
         logging.getLogger("mla_prefill_ext").warning(
             "mla-prefill-ext: vLLM is not installed in this environment; nothing to activate."
@@ -78,14 +79,7 @@ def activate() -> None:
     with _LOCK:
         if _active:
             return
-        if not _hooks_registered:
-            import wrapt
-
-            # Registered while inactive: wrapt fires a hook at once for a module already
-            # imported, and that one is patched below, after the version check.
-            for name in patches.PATCH_SETS:
-                wrapt.register_post_import_hook(_on_imported, name)
-            _hooks_registered = True
+        _register_hooks_once("patch", _on_imported, patches.PATCH_SETS)
         _active = True
         try:
             reason = decision.reason  # None in patch mode
@@ -94,19 +88,38 @@ def activate() -> None:
         except BaseException:
             _active = False  # all or nothing: a retry starts from scratch
             raise
-    for name in patches.PATCH_SETS:
+    _run_for_imported(_on_imported, patches.PATCH_SETS)
+
+
+def _register_hooks_once(host: str, hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
+    """Register ``hook`` for each module, once per process and host (call it holding _LOCK).
+
+    Registered while inactive: wrapt fires a hook at once for a module already imported,
+    and the hook does nothing then; :func:`_run_for_imported` handles those modules after
+    the checks, so that a failure can undo everything.
+    """
+    if host in _HOOKED:
+        return
+    import wrapt
+
+    for name in module_names:
+        wrapt.register_post_import_hook(hook, name)
+    _HOOKED.add(host)
+
+
+def _run_for_imported(hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
+    """Run ``hook`` for each module vLLM has imported already; all or nothing."""
+    for name in module_names:
         module = sys.modules.get(name)
         if module is not None:
             try:
-                _on_imported(module)
+                hook(module)
             except BaseException:
-                deactivate()
+                deactivate()  # a retry starts from scratch
                 raise
 
 
 # --- bridge mode (vLLM 0.23+): the add-on's backends in vLLM's own registry ---------------------
-
-_bridge_hooks_registered = False
 
 
 def _on_bridge_module_imported(module: ModuleType) -> None:
@@ -124,32 +137,19 @@ def _on_bridge_module_imported(module: ModuleType) -> None:
 
 def _activate_bridge(decision: Any) -> None:
     """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
-    global _active, _bridge_hooks_registered
+    global _active
     from mla_prefill_ext import bridge
 
     with _LOCK:
         if _active:
             return
-        if not _bridge_hooks_registered:
-            import wrapt
-
-            # As for the patch sets: registered while inactive, modules already imported done below.
-            for name in bridge.BINDING_MODULES:
-                wrapt.register_post_import_hook(_on_bridge_module_imported, name)
-            _bridge_hooks_registered = True
+        _register_hooks_once("bridge", _on_bridge_module_imported, bridge.BINDING_MODULES)
         _active = True
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
         logger.warning("mla-prefill-ext: %s", decision.warning)
-    for name in bridge.BINDING_MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            try:
-                _on_bridge_module_imported(module)
-            except BaseException:
-                deactivate()  # all or nothing: a retry starts from scratch
-                raise
+    _run_for_imported(_on_bridge_module_imported, bridge.BINDING_MODULES)
 
 
 # -------------------------------------------------------------------------------------------------
