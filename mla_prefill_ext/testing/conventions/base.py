@@ -7,6 +7,7 @@ chunk as an object) is one more convention beside ``chunk_index``, not a change 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,6 +68,43 @@ def pair(ret: Any) -> tuple[Any, Any]:
     if isinstance(ret, (tuple, list)) and len(ret) == 2:
         return ret[0], ret[1]
     return ret, None
+
+
+def drive_step(
+    convention: CallingConvention,
+    problem: PrefillProblem,
+    with_lse: bool,
+    plain: PrefillProblem | None,
+    prepare: Callable[[], None],
+    new_tokens: Callable[[PrefillProblem, bool], Any],
+    chunk: Callable[[int, torch.Tensor, torch.Tensor], Any],
+) -> StepResult:
+    """One step in the order every host runs it, each call named as ``convention`` names it.
+
+    ``prepare()`` prepares the step's metadata; ``new_tokens(problem, with_lse)`` and
+    ``chunk(index, k, v)`` make the backend's calls as the host makes them. Never raises:
+    the first call that raises ends the step, and the result says which it was.
+    """
+    p = problem
+    new = plain_out = None
+    chunks: list[Any] = []
+    where = "prepare_metadata"
+    try:
+        prepare()
+        if with_lse:
+            where = convention.new_tokens_call(True)
+            new = new_tokens(p, True)
+        if plain:
+            where = convention.new_tokens_call(False)
+            plain_out = new_tokens(plain, False)
+        for i, (kc, vc) in enumerate(zip(p.chunk_k, p.chunk_v, strict=True)):
+            where = convention.chunk_call(i)
+            chunks.append(chunk(i, kc, vc))
+        where = "the step (synchronizing the device)"
+        synchronize(p.q.device)
+    except Exception as e:  # reported, never raised: the report says where
+        return StepResult(new, plain_out, chunks, f"{where} raised {type(e).__name__}: {e}")
+    return StepResult(new, plain_out, chunks)
 
 
 def synchronize(device: torch.device) -> None:

@@ -24,7 +24,7 @@ import torch
 from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
 from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, Shape
 from mla_prefill_ext.mla_layers import MLA_MODULE
-from mla_prefill_ext.testing.conventions.base import StepResult, synchronize
+from mla_prefill_ext.testing.conventions.base import StepResult, drive_step
 from mla_prefill_ext.testing.problem import PrefillProblem
 
 
@@ -115,37 +115,25 @@ class BridgedConvention:
         self, backend: Any, problem: PrefillProblem, with_lse: bool, plain: PrefillProblem | None
     ) -> StepResult:
         p = problem
-        new = plain_out = None
-        chunks: list[Any] = []
-        where = "prepare_metadata"
-        try:
-            objects = self.shape.chunk_api == CHUNK_OBJECT
-            metadata = vllm_chunked_metadata(p) if objects else p.metadata
-            backend.prepare_metadata(metadata)
-            if with_lse:
-                where = self.new_tokens_call(True)
-                new = backend.run_prefill_new_tokens(
-                    q=p.q, k=p.k, v=p.v, return_softmax_lse=True, out=None, output_scale=None
-                )
-            if plain:
-                where = self.new_tokens_call(False)
-                plain_out = backend.run_prefill_new_tokens(
-                    q=plain.q, k=plain.k, v=plain.v, return_softmax_lse=False, out=None, output_scale=None
-                )
-            vllm_chunks = metadata.chunked_context.chunks if objects and p.chunk_k else []
-            for i, (kc, vc) in enumerate(zip(p.chunk_k, p.chunk_v, strict=True)):
-                where = self.chunk_call(i)
-                if objects:
-                    chunk = vllm_chunks[i]
-                    ret = backend.run_prefill_context_chunk(chunk=chunk, q=p.q[chunk.token_slice], k=kc, v=vc)
-                else:
-                    ret = backend.run_prefill_context_chunk(chunk_idx=i, q=p.q, k=kc, v=vc)
-                chunks.append(ret)
-            where = "the step (synchronizing the device)"
-            synchronize(p.q.device)
-        except Exception as e:  # reported, never raised: the report says where
-            return StepResult(new, plain_out, chunks, f"{where} raised {type(e).__name__}: {e}")
-        return StepResult(new, plain_out, chunks)
+        objects = self.shape.chunk_api == CHUNK_OBJECT
+        prepared: list[Any] = []  # the step's metadata, once prepare() has made it
+
+        def prepare() -> None:
+            prepared.append(vllm_chunked_metadata(p) if objects else p.metadata)
+            backend.prepare_metadata(prepared[0])
+
+        def new_tokens(t: PrefillProblem, lse: bool) -> Any:
+            return backend.run_prefill_new_tokens(
+                q=t.q, k=t.k, v=t.v, return_softmax_lse=lse, out=None, output_scale=None
+            )
+
+        def chunk(i: int, kc: torch.Tensor, vc: torch.Tensor) -> Any:
+            if objects:
+                c = prepared[0].chunked_context.chunks[i]
+                return backend.run_prefill_context_chunk(chunk=c, q=p.q[c.token_slice], k=kc, v=vc)
+            return backend.run_prefill_context_chunk(chunk_idx=i, q=p.q, k=kc, v=vc)
+
+        return drive_step(self, p, with_lse, plain, prepare, new_tokens, chunk)
 
 
 def installed_vllm_convention() -> Any:

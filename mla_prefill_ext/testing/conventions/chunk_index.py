@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mla_prefill_ext.backends.base import MLAPrefillBackend
-from mla_prefill_ext.testing.conventions.base import StepResult, synchronize
+from mla_prefill_ext.testing.conventions.base import StepResult, drive_step
 from mla_prefill_ext.testing.problem import PrefillProblem
 
 
@@ -39,22 +39,12 @@ class ChunkIndexConvention:
         plain: PrefillProblem | None,
     ) -> StepResult:
         p = problem
-        new = plain_out = None
-        chunks: list[Any] = []
-        where = "prepare_metadata"
-        try:
-            backend.prepare_metadata(p.metadata)
-            if with_lse:
-                where = self.new_tokens_call(True)
-                new = backend.run_prefill_new_tokens(p.q, p.k, p.v, True)
-            if plain:
-                where = self.new_tokens_call(False)
-                plain_out = backend.run_prefill_new_tokens(plain.q, plain.k, plain.v, False)
-            for i, (kc, vc) in enumerate(zip(p.chunk_k, p.chunk_v, strict=True)):
-                where = self.chunk_call(i)
-                chunks.append(backend.run_prefill_context_chunk(i, p.q, kc, vc))
-            where = "the step (synchronizing the device)"
-            synchronize(p.q.device)
-        except Exception as e:  # reported, never raised: the report says where
-            return StepResult(new, plain_out, chunks, f"{where} raised {type(e).__name__}: {e}")
-        return StepResult(new, plain_out, chunks)
+        return drive_step(
+            self,
+            p,
+            with_lse,
+            plain,
+            prepare=lambda: backend.prepare_metadata(p.metadata),
+            new_tokens=lambda t, lse: backend.run_prefill_new_tokens(t.q, t.k, t.v, lse),
+            chunk=lambda i, kc, vc: backend.run_prefill_context_chunk(i, p.q, kc, vc),
+        )
