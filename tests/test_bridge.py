@@ -392,62 +392,34 @@ def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     takes several chunks (0.29+: one of them a continuation of A's split context). Returns
     each step's error relative to a float64 reference over each whole sequence.
     """
-    from test_layer import BLOCK_SIZE, BLOCKS, CHUNK_WORKSPACE, NUM_BLOCKS, make_builder, recording
+    from test_layer import CHUNK_WORKSPACE, SeededRequests, make_builder, recording
     from vllm.config import set_current_vllm_config
-
-    from mla_prefill_ext.testing.reference import reference_attention
 
     mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
     builder = make_builder(cfg, layer, None)
     builder.chunked_prefill_workspace_size = CHUNK_WORKSPACE
-    heads, lora, rope, nope, dv = layer.num_heads, 512, 64, 128, 128
-    dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
-    layer.kv_b_proj.weight.data = w
     impl = layer.impl
-    impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
     steps = [([37, 20], [0, 0]), ([9, 5, 7], [37, 20, 0])]
-    totals = [c + n for c, n in zip(steps[1][1], steps[1][0], strict=True)]
-    kv_c_all = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
-    k_pe_all = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
-    q_all = [torch.randn(t, heads, nope + rope, generator=gen).to(dtype) for t in totals]
-    table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
-    for r, blocks in enumerate(BLOCKS):
-        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
-
-    def reference(r: int, start: int, end: int) -> torch.Tensor:
-        kv = torch.nn.functional.linear(kv_c_all[r][:end], w).double().view(end, heads, nope + dv)
-        k = torch.cat([kv[..., :nope], k_pe_all[r][:end].double().expand(end, heads, rope)], dim=-1)
-        return reference_attention(q_all[r][start:end].double(), k, kv[..., nope:], layer.scale, causal=True)[
-            0
-        ]
+    inputs = SeededRequests(layer, [c + n for c, n in zip(steps[1][1], steps[1][0], strict=True)])
+    impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
 
     result: dict[str, Any] = {"errors": []}
     for new_lens, ctx_lens in steps:
-        reqs = range(len(new_lens))
-        batch = host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE)
+        batch = inputs.batch(new_lens, ctx_lens)
         with cpu_step_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
             metadata = builder.build(0, batch)
         chunked = metadata.prefill.chunked_context
         if chunked is not None:
             result["chunks"] = list(getattr(chunked, "chunks", None) or range(len(chunked.seq_tot)))
-        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
-        q = torch.cat([q_all[r][sl[r]] for r in reqs])
-        kv_c = torch.cat([kv_c_all[r][sl[r]] for r in reqs])
-        k_pe = torch.cat([k_pe_all[r][sl[r]] for r in reqs])
-        cache.view(-1, lora + rope)[batch.slot_mapping] = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
-        output = torch.full((q.shape[0], heads * dv), float("nan"), dtype=dtype)
+        q, kv_c, k_pe, output, expected = inputs.step(new_lens, ctx_lens, batch.slot_mapping)
         backend = metadata.prefill.prefill_backend
         with (
             cpu_step_kernels(mla_module),
             recording(type(backend.inner), "run_prefill_context_chunk") as ran,
         ):
-            impl.forward_mha(q, kv_c, k_pe, cache, metadata, torch.ones(()), output=output)
+            impl.forward_mha(q, kv_c, k_pe, inputs.cache, metadata, torch.ones(()), output=output)
         result["backend"] = backend
         result["chunk_calls"] = len(ran)
-        expected = torch.cat([reference(r, sl[r].start, sl[r].stop) for r in reqs]).reshape(q.shape[0], -1)
         assert torch.isfinite(output).all()
         result["errors"].append(((output.double() - expected).abs().max() / expected.abs().max()).item())
     return result

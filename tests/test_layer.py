@@ -310,6 +310,66 @@ def cpu_kernels(mla_module: Any) -> Iterator[None]:
         yield
 
 
+class SeededRequests:
+    """The inputs of the requests A, B, C (see STEP2_*) as forward_mha takes them, and their reference.
+
+    Draws from one seeded generator, in this order: kv_b_proj's weights (set on the layer),
+    then each request's latent KV, rope K and queries over its whole sequence (``totals``
+    tokens). The paged cache (blocks BLOCKS of NUM_BLOCKS) starts all NaN, so a read of a
+    slot no step wrote shows.
+    """
+
+    LORA, ROPE, NOPE, DV = 512, 64, 128, 128
+
+    def __init__(self, layer: Any, totals: list[int], dtype: torch.dtype = torch.bfloat16) -> None:
+        gen = torch.Generator().manual_seed(7)
+        self.layer, self.dtype, self.heads = layer, dtype, layer.num_heads
+        lora, rope, nope = self.LORA, self.ROPE, self.NOPE
+        self.w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
+        layer.kv_b_proj.weight.data = self.w
+        self.kv_c = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
+        self.k_pe = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
+        self.q = [torch.randn(t, self.heads, nope + rope, generator=gen).to(dtype) for t in totals]
+        self.table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
+        for r, blocks in enumerate(BLOCKS):
+            self.table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
+
+    def batch(self, new_lens: list[int], ctx_lens: list[int]) -> Any:
+        return host.prefill_batch(new_lens, ctx_lens, self.table[: len(new_lens)], BLOCK_SIZE)
+
+    def step(
+        self, new_lens: list[int], ctx_lens: list[int], slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, kv_c, k_pe of a step's new tokens, its NaN output buffer, and the float64 expectation.
+
+        Writes the step's latent KV rows into the paged cache at ``slots`` first, as
+        forward_impl does before forward_mha (vLLM's concat_and_cache_mla).
+        """
+        reqs = range(len(new_lens))
+        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
+        q = torch.cat([self.q[r][sl[r]] for r in reqs])
+        kv_c = torch.cat([self.kv_c[r][sl[r]] for r in reqs])
+        k_pe = torch.cat([self.k_pe[r][sl[r]] for r in reqs])
+        self.cache.view(-1, self.LORA + self.ROPE)[slots] = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
+        output = torch.full((q.shape[0], self.heads * self.DV), float("nan"), dtype=self.dtype)
+        expected = torch.cat([self.reference(r, sl[r].start, sl[r].stop) for r in reqs])
+        return q, kv_c, k_pe, output, expected.reshape(q.shape[0], -1)
+
+    def reference(self, r: int, start: int, end: int) -> torch.Tensor:
+        """Request r's tokens start:end attending causally to its whole sequence so far, in float64.
+
+        K and V as the layer computes them (kv_b_proj in the model dtype), then attention in float64.
+        """
+        heads, nope, rope = self.heads, self.NOPE, self.ROPE
+        kv = torch.nn.functional.linear(self.kv_c[r][:end], self.w).double().view(end, heads, nope + self.DV)
+        k = torch.cat([kv[..., :nope], self.k_pe[r][:end].double().expand(end, heads, rope)], dim=-1)
+        out, _ = reference_attention(
+            self.q[r][start:end].double(), k, kv[..., nope:], self.layer.scale, causal=True
+        )
+        return out
+
+
 def two_steps_with_context(
     cfg: Any, layer: Any, chunk_workspace: int | None = CHUNK_WORKSPACE
 ) -> dict[str, Any]:
@@ -329,65 +389,32 @@ def two_steps_with_context(
     builder = make_builder(cfg, layer, None)
     if chunk_workspace is not None:
         builder.chunked_prefill_workspace_size = chunk_workspace
-    heads, lora, rope, nope, dv = layer.num_heads, 512, 64, 128, 128
-    dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
-    layer.kv_b_proj.weight.data = w
     impl = layer.impl
+    inputs = SeededRequests(layer, [c + n for c, n in zip(STEP2_CONTEXT, STEP2_NEW, strict=True)])
     impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
     impl.scale = float("nan")  # no prefill path may read the impl's own scale
-
-    totals = [c + n for c, n in zip(STEP2_CONTEXT, STEP2_NEW, strict=True)]
-    kv_c_all = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
-    k_pe_all = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
-    q_all = [torch.randn(t, heads, nope + rope, generator=gen).to(dtype) for t in totals]
-    table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
-    for r, blocks in enumerate(BLOCKS):
-        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
-
-    def reference(r: int, start: int, end: int) -> torch.Tensor:
-        # K and V as the layer computes them (kv_b_proj in bf16), then attention in float64.
-        kv = torch.nn.functional.linear(kv_c_all[r][:end], w).double().view(end, heads, nope + dv)
-        k = torch.cat([kv[..., :nope], k_pe_all[r][:end].double().expand(end, heads, rope)], dim=-1)
-        out, _ = reference_attention(
-            q_all[r][start:end].double(), k, kv[..., nope:], layer.scale, causal=True
-        )
-        return out
 
     result: dict[str, Any] = {"errors": [], "chunks": None}
     steps = [(STEP1_NEW, [0, 0]), (STEP2_NEW, STEP2_CONTEXT)]
     for step, (new_lens, ctx_lens) in enumerate(steps):
-        reqs = range(len(new_lens))
         with cpu_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
-            metadata = builder.build(
-                0, host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE)
-            )
+            metadata = builder.build(0, inputs.batch(new_lens, ctx_lens))
         chunked = metadata.prefill.chunked_context
         if step == 1:
             assert chunked is not None
             result["chunks"] = len(chunked.seq_tot)
         else:
             assert chunked is None
-        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
-        q = torch.cat([q_all[r][sl[r]] for r in reqs])
-        kv_c = torch.cat([kv_c_all[r][sl[r]] for r in reqs])
-        k_pe = torch.cat([k_pe_all[r][sl[r]] for r in reqs])
-        # What forward_impl does before forward_mha (vLLM's concat_and_cache_mla): this
-        # step's latent KV rows into the paged cache, at the slots of the step's tokens.
-        rows = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
-        slots = host.prefill_batch(new_lens, ctx_lens, table[: len(new_lens)], BLOCK_SIZE).slot_mapping
-        cache.view(-1, lora + rope)[slots] = rows
-        output = torch.full((q.shape[0], heads * dv), float("nan"), dtype=dtype)
+        q, kv_c, k_pe, output, expected = inputs.step(
+            new_lens, ctx_lens, inputs.batch(new_lens, ctx_lens).slot_mapping
+        )
         with (
             cpu_kernels(mla_module),
             recording(type(layer.prefill_backend), "run_prefill_context_chunk") as ran,
         ):
-            impl.forward_mha(q, kv_c, k_pe, cache, metadata, torch.ones(()), output=output)
+            impl.forward_mha(q, kv_c, k_pe, inputs.cache, metadata, torch.ones(()), output=output)
         if step == 1:
             result["chunk_calls"] = len(ran)
-        expected = torch.cat([reference(r, sl[r].start, sl[r].stop) for r in reqs]).reshape(q.shape[0], -1)
         assert torch.isfinite(output).all(), f"step {step + 1}: non-finite output"
         result["errors"].append(((output.double() - expected).abs().max() / expected.abs().max()).item())
     return result
