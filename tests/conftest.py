@@ -114,6 +114,15 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
 
 
 @pytest.fixture
+def site(tmp_path: Path, clean_selection: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder first on sys.path to install backend packages into; their modules unloaded after."""
+    clean_selection.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n.startswith("fakepkg_")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
 def addon_log() -> Iterator[list[logging.LogRecord]]:
     """Records of the add-on's logger (vLLM's loggers do not propagate to caplog's root)."""
     handler = LogRecords()

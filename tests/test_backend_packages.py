@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,14 +47,6 @@ def install(root: Path, dist: str, entries: dict[str, str], modules: dict[str, s
     (info / "entry_points.txt").write_text(f"[{discovery.ENTRY_POINT_GROUP}]\n{lines}\n")
     for name, text in (modules or {}).items():
         (root / f"{name}.py").write_text(textwrap.dedent(text))
-
-
-@pytest.fixture
-def site(tmp_path: Path, clean_selection: pytest.MonkeyPatch) -> Iterator[Path]:
-    clean_selection.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in [n for n in sys.modules if n.startswith("fakepkg_")]:
-        del sys.modules[name]
 
 
 def fake_backend(name: str, claim: str = "None") -> str:

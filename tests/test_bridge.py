@@ -244,37 +244,29 @@ def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged,
     assert "lower_sdpa" not in bridged.enum.__members__
 
 
-def test_an_installed_backend_package_is_selectable_by_its_name(
-    bridged, clean_selection, tmp_path, model_dirs
-):
+def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_selection, site, model_dirs):
     from test_backend_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
-    clean_selection.syspath_prepend(str(tmp_path))
     install(
-        tmp_path,
+        site,
         "fakepkg-bridged",
         {"FAKE_BRIDGED": "fakepkg_bridged:FakeBridgedBackend"},
         {"fakepkg_bridged": fake_backend("FAKE_BRIDGED")},
     )
     discovery.discover(refresh=True)
-    try:
-        clean_selection.setenv("MLA_PREFILL_BACKEND", "FAKE_BRIDGED")
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "FAKE_BRIDGED")
+    with host.gpu_view(None):
+        cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+    assert cls.get_name() == "FAKE_BRIDGED" and cls._addon_class.__module__ == "fakepkg_bridged"
+    if bridged.string_names:  # and through vLLM's own knob, by the same name
+        clean_selection.delenv("MLA_PREFILL_BACKEND")
         with host.gpu_view(None):
-            cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
-        assert cls.get_name() == "FAKE_BRIDGED" and cls._addon_class.__module__ == "fakepkg_bridged"
-        if bridged.string_names:  # and through vLLM's own knob, by the same name
-            clean_selection.delenv("MLA_PREFILL_BACKEND")
-            with host.gpu_view(None):
-                assert (
-                    bridged.selector.get_mla_prefill_backend(
-                        native_config(model_dirs["plain"], "FAKE_BRIDGED")
-                    )
-                    is cls
-                )
-    finally:
-        sys.modules.pop("fakepkg_bridged", None)
+            assert (
+                bridged.selector.get_mla_prefill_backend(native_config(model_dirs["plain"], "FAKE_BRIDGED"))
+                is cls
+            )
 
 
 # Automatic selection: vLLM's own, with claims and the portable fallback.
@@ -291,16 +283,15 @@ def test_automatic_selection_falls_back_to_torch_sdpa_where_vllm_finds_none(
 
 
 def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
-    bridged, clean_selection, tmp_path, model_dirs
+    bridged, clean_selection, site, model_dirs
 ):
     from test_backend_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
-    clean_selection.syspath_prepend(str(tmp_path))
     claim = 'AutoSelectClaim(("9.x",), before="FLASH_ATTN")'
     install(
-        tmp_path,
+        site,
         "fakepkg-claim",
         {"FAKE_CLAIM": "fakepkg_claim:FakeClaimBackend"},
         {"fakepkg_claim": fake_backend("FAKE_CLAIM", claim)},
@@ -324,19 +315,17 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
             assert get(cfg).__name__ == "NativeFlashAttnStandIn"
     finally:
         bridged.enum.FLASH_ATTN.clear_override()
-        sys.modules.pop("fakepkg_claim", None)
 
 
-def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_selection, tmp_path, model_dirs):
+def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_selection, site, model_dirs):
     """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
     from test_backend_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
-    clean_selection.syspath_prepend(str(tmp_path))
     claim = 'AutoSelectClaim(("9.x",), before="FLASHINFER")'
     install(
-        tmp_path,
+        site,
         "fakepkg-late",
         {"FAKE_LATE": "fakepkg_late:FakeLateBackend"},
         {"fakepkg_late": fake_backend("FAKE_LATE", claim)},
@@ -352,7 +341,6 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
             )
     finally:
         bridged.enum.FLASH_ATTN.clear_override()
-        sys.modules.pop("fakepkg_late", None)
 
 
 # vLLM's own MLA layer, metadata builder and forward_mha, on the CPU, through an add-on backend.

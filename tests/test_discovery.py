@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ from test_backend_packages import fake_backend, install
 
 from mla_prefill_ext import discovery, registry
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
-
-
-@pytest.fixture
-def site(tmp_path: Path, clean_selection: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A folder first on sys.path to install packages into; their modules unloaded after."""
-    clean_selection.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in [n for n in sys.modules if n.startswith("fakepkg_")]:
-        del sys.modules[name]
 
 
 @pytest.mark.parametrize(
