@@ -114,6 +114,18 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
 
 
 @pytest.fixture
+def r1(model_dirs: dict[str, Path]) -> Path:
+    """A model folder (config.json only) with DeepSeek-R1's MLA dims."""
+    return model_dirs["plain"]
+
+
+@pytest.fixture
+def non_r1(model_dirs: dict[str, Path]) -> Path:
+    """A model folder with MLA dims other than R1's (qk 64+32, v 64)."""
+    return model_dirs["non_r1"]
+
+
+@pytest.fixture
 def site(tmp_path: Path, clean_selection: pytest.MonkeyPatch) -> Iterator[Path]:
     """A folder first on sys.path to install backend packages into; their modules unloaded after."""
     clean_selection.syspath_prepend(str(tmp_path))

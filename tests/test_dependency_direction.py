@@ -147,14 +147,14 @@ CASES = [
 def test_the_check_sees_every_form_of_import():
     importer = f"{PACKAGE}.backends.flashinfer"
     for source in (
-        "import mla_prefill_ext.patches.layers",
-        "from mla_prefill_ext.patches.layers import mla_layer_hyperparameters",
+        "import mla_prefill_ext.patches.mla",
+        "from mla_prefill_ext.patches.mla import INSTRUMENTOR",
         "from mla_prefill_ext import patches",
         "from ..patches import wrappers",
         "from .. import patches",
-        "def f():\n    from mla_prefill_ext.patches import layers",
-        "if TYPE_CHECKING:\n    from mla_prefill_ext.patches import layers",
-        "import importlib\nimportlib.import_module('mla_prefill_ext.patches.layers')",
+        "def f():\n    from mla_prefill_ext.patches import mla",
+        "if TYPE_CHECKING:\n    from mla_prefill_ext.patches import mla",
+        "import importlib\nimportlib.import_module('mla_prefill_ext.patches.mla')",
     ):
         assert forbidden_imports(source, importer), source
     for source in (

@@ -22,16 +22,6 @@ pytestmark = [pytest.mark.usefixtures("clean_selection"), pytest.mark.vllm_patch
 Records = list[logging.LogRecord]
 
 
-@pytest.fixture
-def r1(model_dirs: dict[str, Path]) -> Path:
-    return model_dirs["plain"]
-
-
-@pytest.fixture
-def non_r1(model_dirs: dict[str, Path]) -> Path:
-    return model_dirs["non_r1"]
-
-
 def test_the_flags_as_a_choice(r1: Path, clean_selection: pytest.MonkeyPatch) -> None:
     trtllm = legacy_flags.legacy_choice(config(r1, use_trtllm_ragged_deepseek_prefill=True))
     assert (trtllm.name, trtllm.source, trtllm.explicit) == ("TRTLLM_RAGGED", LEGACY_TRTLLM, False)

@@ -57,16 +57,6 @@ def config(model_dir: Path, mla_prefill_backend: str | None = None, **attention:
     )
 
 
-@pytest.fixture
-def r1(model_dirs: dict[str, Path]) -> Path:
-    return model_dirs["plain"]
-
-
-@pytest.fixture
-def non_r1(model_dirs: dict[str, Path]) -> Path:
-    return model_dirs["non_r1"]
-
-
 # Automatic priorities
 
 
