@@ -85,6 +85,7 @@ class _Adapter:
             vllm_config=vllm_config,
         )
         super().__init__(**kwargs)  # vLLM's base: its attributes, as its own backends have them
+        self._init_kwargs = kwargs  # what clone() builds vLLM's base of the twin with
         self._prefill_metadata = None
         inner = type(self)._addon_class(**kwargs)
         layers.hand_layer_reader(inner)
@@ -115,16 +116,8 @@ class _Adapter:
 
     def clone(self) -> Any:
         twin = object.__new__(type(self))
-        self._shape.base.__init__(
-            twin,
-            num_heads=self.num_heads,
-            scale=self.scale,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-            vllm_config=self.vllm_config,
-        )
+        self._shape.base.__init__(twin, **self._init_kwargs)
+        twin._init_kwargs = self._init_kwargs
         # vLLM 0.25+ clones once per metadata builder, when the builder is created: the moment
         # the patched 0.20 builder warms the backend's kernels up and reserves its workspace.
         device = _device(self.vllm_config)
