@@ -397,17 +397,16 @@ def two_steps_with_context(
     result: dict[str, Any] = {"errors": [], "chunks": None}
     steps = [(STEP1_NEW, [0, 0]), (STEP2_NEW, STEP2_CONTEXT)]
     for step, (new_lens, ctx_lens) in enumerate(steps):
+        batch = inputs.batch(new_lens, ctx_lens)
         with cpu_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
-            metadata = builder.build(0, inputs.batch(new_lens, ctx_lens))
+            metadata = builder.build(0, batch)
         chunked = metadata.prefill.chunked_context
         if step == 1:
             assert chunked is not None
             result["chunks"] = len(chunked.seq_tot)
         else:
             assert chunked is None
-        q, kv_c, k_pe, output, expected = inputs.step(
-            new_lens, ctx_lens, inputs.batch(new_lens, ctx_lens).slot_mapping
-        )
+        q, kv_c, k_pe, output, expected = inputs.step(new_lens, ctx_lens, batch.slot_mapping)
         with (
             cpu_kernels(mla_module),
             recording(type(layer.prefill_backend), "run_prefill_context_chunk") as ran,
