@@ -49,7 +49,8 @@ def tests_0_20_2(session: nox.Session) -> None:
 def _bridged(version: str) -> None:
     @nox.session(name=f"tests-{version}", venv_backend="venv", reuse_venv=True)
     def tests(session: nox.Session) -> None:
-        found = session.run("python", "-c", _VERSION_OF_VLLM, silent=True).strip()
+        # run_install: the probe decides what to install, so it runs under --install-only too.
+        found = session.run_install("python", "-c", _VERSION_OF_VLLM, silent=True).strip()
         if found != version:
             session.install(f"vllm=={version}", *TEST_TOOLS)
         else:

@@ -183,3 +183,44 @@ def test_bound_is_between_the_measured_noise_and_the_mutant():
     """The justification in verdict.py: FlashInfer noise 0.031 < bound < 2%-scale mutant's 0.2."""
     assert 0.031 < BOUND < 0.2
     assert BOUND >= 1.5 * 0.031
+
+
+def calibration_of(stock: list[dict], shift: float, flip_gap: float | None = None) -> verdict.Verdict:
+    """The verdict of a made-up 'vLLM's own kernel of another family' against stock."""
+    other = copy.deepcopy(stock)
+    other[0]["logprobs"] = [x + shift for x in other[0]["logprobs"]]
+    return verdict.bf16_noise(other, stock)
+
+
+def test_the_kernel_family_bound_is_the_calibrations_spread_with_headroom(stock):
+    wide = calibration_of(stock, 0.094)
+    assert not wide.passed  # over the FA3 family's bound, as vLLM's own FA2 was on the H200
+    assert verdict.kernel_family_bound(wide) == pytest.approx(0.094 * verdict.KERNEL_FAMILY_HEADROOM)
+    assert verdict.kernel_family_bound(calibration_of(stock, 0.01)) == BOUND  # never below the FA3 one
+    nothing = verdict.bf16_noise([], [])
+    with pytest.raises(ValueError, match="must compare positions"):
+        verdict.kernel_family_bound(nothing)
+
+
+def test_family_noise_takes_the_calibrated_bound_and_any_token_at_a_near_tie(stock):
+    calibration = calibration_of(stock, 0.094)
+    bound = verdict.kernel_family_bound(calibration)
+    cand = copy.deepcopy(stock)
+    cand[0]["logprobs"] = [x - 0.1 for x in cand[0]["logprobs"]]  # > 0.06, < 0.1175
+    cand[1]["tokens"][1] = 99  # a third token at stock's near-tie (gap 0.02)
+    assert not verdict.bf16_noise(cand, stock).passed
+    v = verdict.family_noise(cand, stock, calibration)
+    assert v.passed and v.kind == "family_noise" and v.bound == bound
+    assert "within the bound (family_noise)" in v.reason
+
+
+def test_family_noise_refuses_what_the_calibration_does_not_cover(stock):
+    calibration = calibration_of(stock, 0.094)
+    further = copy.deepcopy(stock)
+    further[0]["logprobs"] = [x - 0.13 for x in further[0]["logprobs"]]  # a 2%-scale mutant's size
+    v = verdict.family_noise(further, stock, calibration)
+    assert not v.passed and "exceeds the bound" in v.reason
+    flip = copy.deepcopy(stock)
+    flip[1]["tokens"][2] = 99  # stock's gap there is 3.0: no near-tie at any bound
+    v = verdict.family_noise(flip, stock, calibration)
+    assert not v.passed and "is not a near-tie" in v.reason

@@ -187,7 +187,19 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         kwargs.update(model=str(args.model_dir), load_format="auto")
     if args.additional:
         kwargs["additional_config"] = {"mla_prefill_backend": args.additional}
+    if args.flash_attn_version:
+        # vLLM's own prefill kernel on another FlashAttention version (2 runs on SM90 too); vLLM's
+        # MLA decode on SM90 stays FA3 whatever this says.
+        kwargs["attention_config"] = {"flash_attn_version": args.flash_attn_version}
     return kwargs
+
+
+def flash_attn_libraries(worker: Any = None) -> list[str]:
+    """Runs in each worker: vLLM's FlashAttention libraries mapped in that process (which versions ran)."""
+    import re as _re
+
+    with open("/proc/self/maps") as f:
+        return sorted(set(_re.findall(r"_vllm_fa\d_C", f.read())))
 
 
 def summarize(out: Any) -> dict:
@@ -266,7 +278,8 @@ def run(args: argparse.Namespace) -> dict:
                     "tokens_per_s": [length * batch / s for s in times],
                 }
             )
-    return {"ready_s": ready_s, "results": results, "bench": bench}
+    libraries = llm.collective_rpc(flash_attn_libraries) if args.flash_attn_version else None
+    return {"ready_s": ready_s, "results": results, "bench": bench, "flash_attn_libraries": libraries}
 
 
 def main() -> int:
@@ -295,6 +308,9 @@ def main() -> int:
     )
     parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
     parser.add_argument(
+        "--flash-attn-version", type=int, choices=[2, 3], help="attention_config.flash_attn_version (stock)"
+    )
+    parser.add_argument(
         "--example",
         action="store_true",
         help="count the calls of the installed example backend package (MLA_PREFILL_EXAMPLE_COUNT_FILE)",
@@ -305,6 +321,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; the GPU host has no network
     if args.stock:
         os.environ["MLA_PREFILL_EXT_DISABLE"] = "1"
+    if args.flash_attn_version:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
     if args.backend_env:
         os.environ["MLA_PREFILL_BACKEND"] = args.backend_env
     if args.spawn:

@@ -81,6 +81,10 @@ SCENARIOS = {
         # The portable backend (used by the bridge's run on vLLM 0.25.1, tests/gpu/bridge_025.sh).
         Scenario("shim-sdpa", ("--backend-env", "TORCH_SDPA")),
         Scenario("shim-sdpa-eager", ("--backend-env", "TORCH_SDPA", "--eager")),
+        # Calibration: vLLM's own prefill on FlashAttention 2 (the algorithm PyTorch's flash SDPA
+        # kernel implements) against its FA3: how far two equally exact kernels of vLLM's own part.
+        # Needs vLLM's FA2 library (on the GPU host's bundle: MLA_GPU_KEEP_FA2=1).
+        Scenario("stock-fa2-eager", ("--stock", "--eager", "--flash-attn-version", "2")),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}

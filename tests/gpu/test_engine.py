@@ -17,6 +17,7 @@ import functools
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,16 +75,18 @@ def outputs(name: str) -> list[dict]:
     return records(data)
 
 
-def check(kind: str, candidate: str, reference: str) -> verdict.Verdict:
+def check(kind: str, candidate: str, reference: str, judge: Any = None) -> verdict.Verdict:
     """The verdict of every completed candidate run against the stock runs.
 
     Stock vLLM 0.20.2 is not reproducible across engine lifetimes everywhere: on the
     H200 host two stock runs of the compiled single-GPU engine, and two of the TP=2
     engine, differed (docs/gpu-verification.md). So a candidate run passes when it
     matches one of the recorded stock runs, and every candidate run must pass. A
-    mutant must therefore fail against every stock run.
+    mutant must therefore fail against every stock run. ``judge`` (a verdict function taking
+    candidate, reference and ``label``) replaces the one ``kind`` names.
     """
-    judge = verdict.identical if kind == "identical" else verdict.bf16_noise
+    if judge is None:
+        judge = verdict.identical if kind == "identical" else verdict.bf16_noise
     references = [(d, records(data)) for d, data in runs(reference) if data.get("ok")]
     candidates = [(d, records(data)) for d, data in runs(candidate) if data.get("ok")]
     assert references, f"no completed run of {reference}"

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Load on a real ``vllm serve`` after a fresh start: up-time, errors, throughput, latency per side.
+
+    python scripts/bench/serve_load.py [--sides stock,FLASHINFER,FLASH_ATTN] [--requests 2000]
+        [--clients 64] [--eager] [--json out.json] [--logs DIR] [--cache-root DIR] [--port 8731]
+        [--max-num-batched-tokens N] [--gpu-mem 0.5] [--side-timeout S] [--deadline EPOCH]
+
+The load of the first-request issue, sent to vLLM's OpenAI server over loopback HTTP: ``--clients``
+concurrent clients (default 64) share ``--requests`` completions (default 2,000), each client
+sending its next request as soon as its previous one is answered; prompts of 100-12,000 tokens
+(token ids: the model has no tokenizer), every fourth starting with one shared 6,000-token prefix,
+8 tokens out, greedy; the same requests in the same order on every side.
+
+Each side is one server lifetime (``python -m vllm.entrypoints.cli.main serve``, what ``vllm
+serve`` runs), one after the other, each alone on the GPU, each with fresh caches of its own as a
+new container has them: FlashInfer's JIT cache, vLLM's compile cache and Triton's (the sides and
+their caches as in ``first_request.py``: ``stock`` with the add-on disabled, ``NAME`` with
+``MLA_PREFILL_BACKEND=NAME``). The model is the GPU suite's tiny DeepSeek-V2 (4 layers, R1 dims,
+16 heads), dummy weights, prefix caching on, torch.compile and CUDA graphs unless ``--eager``,
+vLLM's own ``max_num_batched_tokens`` unless given, Triton MoE (vLLM's automatic MoE choice on
+Hopper would JIT-build FlashInfer's CUTLASS MoE on every cold side: minutes, not the MLA path).
+
+"Up after": from launching the server to ``/health`` answering 200 (the moment a load balancer
+sends traffic). The load starts then. Per side: errors (a status other than 200, or no answer),
+prompt tokens per second over the whole load (prompt tokens the server reports / wall time from
+the first request sent to the last answer), latency (sending a request to its answer) p50, p99 and
+max over all requests, and the p99 of the first wave (each client's first request: the requests
+that meet a cold engine). And what happened to the side's FlashInfer cache: modules there when the
+server was ready and after the load; a module that appears after ready is a kernel built on a
+request's time. The add-on's warm-up lines are taken from the server's log.
+
+Raw results go to ``--json`` after each side, before any arithmetic; the table after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import common
+from first_request import (
+    MODEL_DIR,
+    SIDE_ENV,
+    Side,
+    Wave,
+    cache_env,
+    make_wave,
+    modules_in_cache,
+    parse_sides,
+    percentile,
+    side_env,
+)
+
+MAX_TOKENS = 8
+DEFAULT_SIDES = "stock,FLASHINFER,FLASH_ATTN"
+SERVED_NAME = "tiny-deepseek-v2"
+MIN_SIDE_S = 60.0  # a side given less than this before --deadline is skipped, not started
+WARMUP_LINE = re.compile(r"MLA prefill kernels|building or loading the MLA prefill")
+
+
+@dataclass(frozen=True)
+class Load:
+    """The load's shape: the issue's (2,000 requests from 64 clients, prompts as the first wave's)."""
+
+    requests: int = 2000
+    clients: int = 64
+    max_tokens: int = MAX_TOKENS
+
+
+# --- pure parts (unit-tested on the CPU) -----------------------------------------------------
+
+
+def serve_command(args: Any, port: int) -> list[str]:
+    """The server's command line for one side (the environment selects the side)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL_DIR)]
+    command += ["--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1"]
+    command += ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "16384"]
+    command += ["--enable-prefix-caching", "--seed", "0", "--moe-backend", "triton"]
+    command += ["--gpu-memory-utilization", str(args.gpu_mem), "--disable-log-stats"]
+    if args.max_num_batched_tokens:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.eager:
+        command.append("--enforce-eager")
+    return command
+
+
+def request_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One completion: token ids in, greedy, exactly ``max_tokens`` out."""
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+
+
+def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """One side's figures from its raw record."""
+    row: dict[str, Any] = {"side": raw["side"], "ok": raw.get("ok", False)}
+    if "requests" not in raw:
+        row["error"] = raw.get("error", "no result")
+        return row
+    done = [r for r in raw["requests"] if r["status"] == 200]
+    latencies = [r["latency_s"] for r in done]
+    first_wave = [r["latency_s"] for r in done if r["first_of_client"]]
+    start = min(r["sent_s"] for r in raw["requests"])
+    end = max(r["sent_s"] + r["latency_s"] for r in raw["requests"])
+    row.update(
+        up_after_s=raw["ready_wall"] - raw["launched_at"],
+        errors=len(raw["requests"]) - len(done),
+        requests=len(raw["requests"]),
+        load_s=end - start,
+        prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / (end - start),
+        p50_s=percentile(latencies, 50) if latencies else float("nan"),
+        p99_s=percentile(latencies, 99) if latencies else float("nan"),
+        max_s=max(latencies, default=float("nan")),
+        first_wave_p99_s=percentile(first_wave, 99) if first_wave else float("nan"),
+        modules_at_ready=raw["cache_at_ready"],
+        modules_built_after_ready=sorted(set(raw["cache_after_load"]) - set(raw["cache_at_ready"])),
+        flashinfer_cache=raw["flashinfer_cache_state"],
+        warmup_lines=raw.get("warmup_lines", []),
+    )
+    if not row["ok"]:
+        row["error"] = raw.get("error", "")
+    return row
+
+
+def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every side's figures, with its p99 and up-time next to stock's where stock ran."""
+    rows = [side_summary(raw) for raw in sides]
+    stock = next((r for r in rows if r["side"] == "stock" and "p99_s" in r), None)
+    for row in rows:
+        if stock is not None and "p99_s" in row:
+            row["p99_vs_stock"] = row["p99_s"] / stock["p99_s"]
+            row["first_wave_p99_vs_stock"] = row["first_wave_p99_s"] / stock["first_wave_p99_s"]
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| side | FlashInfer cache | up after | errors | prompt tokens/s | latency p50 | p99 | max "
+        "| first wave p99 | p99 / stock | FlashInfer modules built after ready |",
+        "| --- " * 11 + "|",
+    ]
+    for r in rows:
+        if "p99_s" not in r:
+            lines.append(f"| {r['side']} | failed: {r['error']} |" + " |" * 9)
+            continue
+        ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
+        built = ", ".join(r["modules_built_after_ready"]) or "none"
+        lines.append(
+            f"| {r['side']} | {r['flashinfer_cache']} | {r['up_after_s']:.0f} s "
+            f"| {r['errors']} of {r['requests']} | {r['prompt_tokens_per_s']:,.0f} | {r['p50_s']:.2f} s "
+            f"| {r['p99_s']:.2f} s | {r['max_s']:.2f} s | {r['first_wave_p99_s']:.2f} s | {ratio} | {built} |"
+        )
+    return lines
+
+
+def warmup_lines(log_text: str) -> list[str]:
+    """The add-on's warm-up lines in a server's log (what it built, and how long that took)."""
+    return [line.strip() for line in log_text.splitlines() if WARMUP_LINE.search(line)]
+
+
+# --- the load ------------------------------------------------------------------------------
+
+
+async def send_load(url: str, prompts: list[list[int]], load: Load, limit_s: float) -> list[dict[str, Any]]:
+    """``load.clients`` clients share the prompts in order; one record per request."""
+    import aiohttp  # comes with vLLM
+
+    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    origin = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=limit_s)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        first = True
+        for i in next_index:
+            sent = time.perf_counter()
+            record: dict[str, Any] = {"index": i, "first_of_client": first, "prompt_len": len(prompts[i])}
+            first = False
+            try:
+                async with session.post(url, json=request_body(prompts[i], load.max_tokens)) as response:
+                    body = await response.json(content_type=None)
+                    record["status"] = response.status
+                    if response.status == 200:
+                        record["prompt_tokens"] = body["usage"]["prompt_tokens"]
+                        record["completion_tokens"] = body["usage"]["completion_tokens"]
+                    else:
+                        record["error"] = str(body)[:300]
+            except Exception as e:  # a refused or dropped connection, a timeout: an error, counted
+                record["status"] = None
+                record["error"] = f"{type(e).__name__}: {e}"[:300]
+            record["sent_s"] = sent - origin
+            record["latency_s"] = time.perf_counter() - sent
+            results[i] = record
+
+    connector = aiohttp.TCPConnector(limit=load.clients)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(*(client(session) for _ in range(load.clients)))
+    return [r for r in results if r is not None]
+
+
+# --- one side -----------------------------------------------------------------------------
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float) -> float | None:
+    """Poll ``/health`` until it answers 200: the wall time then, or None (server gone or too slow)."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            return None
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.time()
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.25)
+    return None
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (vLLM's own shutdown), then the whole tree killed: the engine core must not hold the GPU."""
+    import psutil  # comes with vLLM
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        child.kill()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    home = cache_root / f"{n}-{side.label}"
+    flashinfer = home / "flashinfer"
+    raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": "cold"}
+    limit = args.side_timeout
+    if args.deadline is not None:
+        limit = min(limit, args.deadline - time.time())
+    if limit < MIN_SIDE_S:
+        raw.update(ok=False, error=f"skipped: {max(limit, 0):.0f} s left before the deadline")
+        return raw
+    env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
+    env.update(side_env(side))
+    env.update(cache_env(flashinfer, home))
+    env.update(
+        VLLM_USE_FLASHINFER_SAMPLER=env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+    )
+    log = Path(args.logs) / f"{side.label}.log" if args.logs else home / "server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    base = f"http://127.0.0.1:{args.port}"
+    raw["command"] = serve_command(args, args.port)
+    raw["log"] = str(log)
+    started = time.time()
+    raw["launched_at"] = started
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(raw["command"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            ready = wait_healthy(base, proc, limit)
+            if ready is None:
+                why = (
+                    f"exit status {proc.returncode}"
+                    if proc.poll() is not None
+                    else f"not ready in {limit:.0f} s"
+                )
+                raw.update(ok=False, error=f"server {why}; see {log}")
+                return raw
+            raw["ready_wall"] = ready
+            raw["cache_at_ready"] = modules_in_cache(flashinfer)
+            left = limit - (time.time() - started)
+            load = Load(requests=len(prompts), clients=args.clients)
+            raw["requests"] = asyncio.run(send_load(f"{base}/v1/completions", prompts, load, max(left, 1.0)))
+            raw["cache_after_load"] = modules_in_cache(flashinfer)
+            raw["load"] = asdict(load)
+            errors = sum(r["status"] != 200 for r in raw["requests"])
+            raw["ok"] = errors == 0
+            if errors:
+                first = next(r for r in raw["requests"] if r["status"] != 200)
+                raw["error"] = f"{errors} requests failed; the first: {first}"
+        finally:
+            stop_server(proc)
+    raw["warmup_lines"] = warmup_lines(log.read_text(errors="replace"))
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock and backend names, in order")
+    parser.add_argument("--requests", type=int, default=Load.requests)
+    parser.add_argument("--clients", type=int, default=Load.clients)
+    parser.add_argument(
+        "--eager", action="store_true", help="--enforce-eager: no torch.compile, no CUDA graphs"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's own")
+    parser.add_argument("--gpu-mem", type=float, default=0.5, help="--gpu-memory-utilization")
+    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--json", help="write the raw results and the table here")
+    parser.add_argument("--logs", help="folder for each side's server log (default: the cache root)")
+    parser.add_argument("--cache-root", help="folder for the sides' caches (default: a temporary one)")
+    parser.add_argument("--side-timeout", type=float, default=540.0, help="seconds one side may take")
+    parser.add_argument("--deadline", type=float, help="epoch seconds: no side runs past it")
+    args = parser.parse_args(argv)
+    try:
+        sides = parse_sides(args.sides, warm_cache_given=True)  # warm sides are refused just below
+    except ValueError as e:
+        parser.error(str(e))
+    if any(s.warm for s in sides):
+        parser.error("warm sides are first_request.py's: every side here starts with cold caches")
+    prompts = make_wave(Wave(requests=args.requests))
+    temporary = args.cache_root is None
+    cache_root = Path(tempfile.mkdtemp(prefix="bench-serve-load-")) if temporary else Path(args.cache_root)
+    results: list[dict[str, Any]] = []
+    out: dict[str, Any] = {}
+    try:
+        for n, side in enumerate(sides):
+            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: starting", flush=True)
+            raw = run_side(args, side, n, cache_root, prompts)
+            results.append(raw)
+            out = common.record(sides=results)
+            common.write_json(args.json, out)  # raw, before any arithmetic
+            state = "done" if raw.get("ok") else f"FAILED ({raw.get('error')})"
+            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {state}", flush=True)
+    finally:
+        if temporary:
+            shutil.rmtree(cache_root, ignore_errors=True)
+    rows = summarize(results)
+    common.write_json(args.json, {**out, "table": rows})
+    print("\n".join(markdown(rows)), flush=True)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
