@@ -218,3 +218,21 @@ def test_sides_past_the_deadline_are_skipped_and_warm_sides_refused(tmp_path):
         [sys.executable, str(SCRIPT), "--sides", "stock,FLASHINFER-warm"], capture_output=True, text=True
     )
     assert refused.returncode == 2 and "every side here starts with cold caches" in refused.stderr
+
+
+def test_a_side_is_what_its_server_log_shows():
+    patch = "INFO [selector.py:190] Using FLASHINFER MLA prefill backend (from MLA_PREFILL_BACKEND; ...)."
+    bridge = "INFO [selection.py:9] Using FLASH_ATTN MLA prefill backend (mla-prefill-ext, from ..."
+    native = "(EngineCore pid=1) INFO [mla_attention.py:2267] Using FlashAttention prefill for MLA"
+    auto = "INFO [selector.py:190] Using FLASH_ATTN MLA prefill backend (auto-selected; ...)."
+    stock, fi, fa = bench.parse_sides("stock,FLASHINFER,FLASH_ATTN")
+    assert bench.claim_problem(stock, native) is None
+    assert bench.claim_problem(fi, patch) is None and bench.claim_problem(fa, bridge) is None
+    assert "selecting ['FLASHINFER']" in bench.claim_problem(stock, patch)
+    assert "not FLASH_ATTN" in bench.claim_problem(fa, patch)
+    assert "selecting nothing" in bench.claim_problem(fi, native)
+    assert bench.claim_problem(fa, auto) is None and "selecting" in bench.claim_problem(stock, auto)
+    # The record of the H200 run passes the check it was not yet made with.
+    servers = ROOT / "docs" / "results" / "h200-2026-12-01-serve-load" / "servers"
+    assert bench.claim_problem(stock, (servers / "stock.log").read_text()) is None
+    assert bench.claim_problem(fi, (servers / "FLASHINFER.log").read_text()) is None

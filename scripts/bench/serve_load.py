@@ -27,7 +27,8 @@ the first request sent to the last answer), latency (sending a request to its an
 max over all requests, and the p99 of the first wave (each client's first request: the requests
 that meet a cold engine). And what happened to the side's FlashInfer cache: modules there when the
 server was ready and after the load; a module that appears after ready is a kernel built on a
-request's time. The add-on's warm-up lines are taken from the server's log.
+request's time. The add-on's warm-up lines are taken from the server's log, and the log must show the
+side's prefill: the add-on's selection line for a backend side, none of them for stock.
 
 Raw results go to ``--json`` after each side, before any arithmetic; the table after that.
 """
@@ -169,6 +170,19 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def claim_problem(side: Side, log_text: str) -> str | None:
+    """Why the server's log shows another prefill than the side's (None: it shows the side's).
+
+    A backend side needs the add-on's selection line for that backend (patch and bridge both log
+    ``Using NAME MLA prefill backend (``); stock needs none of the add-on's selection lines."""
+    chosen = re.findall(r"Using (\S+) MLA prefill backend \((?:from|auto-selected|mla-prefill-ext)", log_text)
+    if side.backend is None:
+        return f"stock's log shows the add-on selecting {sorted(set(chosen))}" if chosen else None
+    if set(chosen) != {side.backend}:
+        return f"its log shows the add-on selecting {sorted(set(chosen)) or 'nothing'}, not {side.backend}"
+    return None
+
+
 def warmup_lines(log_text: str) -> list[str]:
     """The add-on's warm-up lines in a server's log (what it built, and how long that took)."""
     return [line.strip() for line in log_text.splitlines() if WARMUP_LINE.search(line)]
@@ -304,7 +318,11 @@ def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list
                 raw["error"] = f"{errors} requests failed; the first: {first}"
         finally:
             stop_server(proc)
-    raw["warmup_lines"] = warmup_lines(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    raw["warmup_lines"] = warmup_lines(text)
+    problem = claim_problem(side, text)
+    if problem is not None:
+        raw.update(ok=False, error=f"not the side it claims to be: {problem}")
     return raw
 
 
