@@ -44,7 +44,7 @@ def options(**kw) -> argparse.Namespace:
 
 def test_vllms_own_serve_parser_reads_the_command(monkeypatch):
     """Every flag exists in the installed vLLM's ``vllm serve`` and means what the docstring says."""
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.entrypoints.cli.serve import make_arg_parser  # the parser `vllm serve` itself builds
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
