@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"ready_s": ready_s, "results": results, "bench": bench, "flash_attn_libraries": libraries}
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The runner's command line (a scenario's flags, tests/gpu/scenarios.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
     parser.add_argument("--out", required=True)
@@ -315,6 +316,11 @@ def main() -> int:
         action="store_true",
         help="count the calls of the installed example backend package (MLA_PREFILL_EXAMPLE_COUNT_FILE)",
     )
+    return parser
+
+
+def main() -> int:
+    parser = make_parser()
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
