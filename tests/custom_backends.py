@@ -24,25 +24,28 @@ class WrappedSDPABackend(TorchSDPAPrefillBackend):
 
 
 class WarmingSDPABackend(TorchSDPAPrefillBackend):
-    """TORCH_SDPA declaring a warm-up of every variant; records each call as (instance id, what, argument)."""
+    """TORCH_SDPA declaring a warm-up of every variant; records each call as (instance, what, argument).
+
+    The instance itself, not its id(): the list keeps it alive, so a later instance cannot reuse its
+    address and pass for it."""
 
     kernel_warmup = KernelWarmup(note="a test backend that warms every variant")
-    calls: ClassVar[list[tuple[int, str, Any]]] = []
+    calls: ClassVar[list[tuple[Any, str, Any]]] = []
 
     @staticmethod
     def get_name() -> str:
         return "WARMING_SDPA"
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:
-        self.calls.append((id(self), "prepare_metadata", type(prefill_metadata).__name__))
+        self.calls.append((self, "prepare_metadata", type(prefill_metadata).__name__))
         super().prepare_metadata(prefill_metadata)
 
     def run_prefill_new_tokens(self, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
-        self.calls.append((id(self), "new_tokens", return_softmax_lse))
+        self.calls.append((self, "new_tokens", return_softmax_lse))
         return super().run_prefill_new_tokens(q, k, v, return_softmax_lse)
 
     def run_prefill_context_chunk(self, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
-        self.calls.append((id(self), "context_chunk", chunk_idx))
+        self.calls.append((self, "context_chunk", chunk_idx))
         return super().run_prefill_context_chunk(chunk_idx, q, k, v)
 
 

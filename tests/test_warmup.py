@@ -65,9 +65,10 @@ def test_declared_warmup_runs_once_per_process_when_the_builder_is_created(
         ("new_tokens", True),
         ("context_chunk", 0),
     ]
-    (probe,) = {instance for instance, _, _ in calls}  # one instance ran the whole synthetic step...
+    (probe,) = {id(instance) for instance, _, _ in calls}  # one instance ran the whole synthetic step...
     (runner,) = first._mla_prefill_runners.values()
-    assert probe not in {id(runner), *(id(layer.prefill_backend) for layer in layers)}  # ...of its own
+    # ...of its own (the recorded instances stay alive, so their ids cannot be reused meanwhile)
+    assert probe not in {id(runner), *(id(layer.prefill_backend) for layer in layers)}
 
     # The profiling builder and then the real one, or dual-batch overlap's two: no second warm-up.
     make_builder(cfg, layers, None)
