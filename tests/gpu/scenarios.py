@@ -83,7 +83,7 @@ SCENARIOS = {
         Scenario("shim-sdpa-eager", ("--backend-env", "TORCH_SDPA", "--eager")),
         # Calibration: vLLM's own prefill on FlashAttention 2 (the algorithm PyTorch's flash SDPA
         # kernel implements) against its FA3: how far two equally exact kernels of vLLM's own part.
-        # Needs vLLM's FA2 library (on the GPU host's bundle: MLA_GPU_KEEP_FA2=1).
+        # Needs vLLM's FA2 library (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the GPU host's vLLM.
         Scenario("stock-fa2-eager", ("--stock", "--eager", "--flash-attn-version", "2")),
     ]
 }
