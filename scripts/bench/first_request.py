@@ -367,20 +367,31 @@ def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def run_child(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
-    """Run one side's process; its exit status, or None when it ran out of time (then its whole tree is
-    killed: vLLM's engine core runs in a process of its own, and must not hold the GPU for the next side)."""
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a side's process and every process under it: vLLM's engine core runs in a process of its
+    own, and must not hold the GPU for the next side."""
     import psutil  # comes with vLLM
 
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # already gone (and reaped): its children were re-parented or are gone
+        children = []
+    for child in children:
+        child.kill()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def run_child(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Run one side's process; its exit status, or None when it ran out of time (then its whole tree is
+    killed, :func:`kill_tree`)."""
     with open(log, "w") as log_file:
         proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             return proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
+            kill_tree(proc)
             return None
 
 

@@ -52,11 +52,13 @@ from typing import Any
 
 import common
 from first_request import (
+    MAX_TOKENS,
     MODEL_DIR,
     SIDE_ENV,
     Side,
     Wave,
     cache_env,
+    kill_tree,
     make_wave,
     modules_in_cache,
     parse_sides,
@@ -64,7 +66,6 @@ from first_request import (
     side_env,
 )
 
-MAX_TOKENS = 8
 DEFAULT_SIDES = "stock,FLASHINFER,FLASH_ATTN"
 SERVED_NAME = "tiny-deepseek-v2"
 MIN_SIDE_S = 60.0  # a side given less than this before --deadline is skipped, not started
@@ -248,24 +249,14 @@ def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float) -> float | N
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT (vLLM's own shutdown), then the whole tree killed: the engine core must not hold the GPU."""
-    import psutil  # comes with vLLM
-
+    """SIGINT (vLLM's own shutdown), then whatever is left of its tree killed."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        child.kill()
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    kill_tree(proc)
 
 
 def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list[int]]) -> dict[str, Any]:
