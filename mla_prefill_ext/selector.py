@@ -27,7 +27,7 @@ from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_b
 from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
 
 # MLAPrefillSelectorConfig, Selection and Choice stay importable from here too (the API names them so).
-from mla_prefill_ext.types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
+from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,9 +75,7 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     order of their names, so that claims at the same place are tried in that order in
     every process, whenever each backend was registered or discovered.
     """
-    from mla_prefill_ext import discovery
-
-    discovery.discover()
+    registry.discover_installed()
     found = []
     for member, path in sorted(registered_backends(), key=lambda entry: entry[0].name):
         if member.value is not None or not path:  # built-ins keep their own place
@@ -225,9 +223,7 @@ def selection_for(vllm_config: VllmConfig, legacy: Choice | None = None) -> Sele
 
     ``legacy``: the choice the host read from its vLLM's legacy flags (see :func:`requested_choice`).
     """
-    from mla_prefill_ext import discovery
-
-    discovery.discover()  # installed packages are registrations too: before the cache key is read
+    registry.discover_installed()  # installed packages are registrations too: before the cache key
     return _select_cached(
         current_device_capability(),
         selector_config_for(vllm_config),

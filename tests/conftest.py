@@ -95,13 +95,13 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
     from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
 
     def reset() -> None:
-        from mla_prefill_ext import discovery, registry
+        from mla_prefill_ext import registry
         from mla_prefill_ext.patches import legacy_flags
 
         for member in list(MLAPrefillBackendEnum):
             member.clear_override()
         registry._ENTRY_POINTS.clear()
-        discovery._DISCOVERED = None
+        registry._DISCOVERED = None
         selector._warn_unloadable_once.cache_clear()
         selector.clear_cache()
         legacy_flags._warn_cudnn_once.cache_clear()

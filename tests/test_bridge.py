@@ -247,7 +247,7 @@ def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged,
 def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_selection, site, model_dirs):
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     install(
         site,
@@ -255,7 +255,7 @@ def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_s
         {"FAKE_BRIDGED": "fakepkg_bridged:FakeBridgedBackend"},
         {"fakepkg_bridged": fake_backend("FAKE_BRIDGED")},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FAKE_BRIDGED")
     with host.gpu_view(None):
         cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
@@ -287,7 +287,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
 ):
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     claim = 'AutoSelectClaim(("9.x",), before="FLASH_ATTN")'
     install(
@@ -296,7 +296,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
         {"FAKE_CLAIM": "fakepkg_claim:FakeClaimBackend"},
         {"fakepkg_claim": fake_backend("FAKE_CLAIM", claim)},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     cfg = config(model_dirs["plain"])
     get = bridged.selector.get_mla_prefill_backend
     try:
@@ -321,7 +321,7 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
     """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     claim = 'AutoSelectClaim(("9.x",), before="FLASHINFER")'
     install(
@@ -330,7 +330,7 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
         {"FAKE_LATE": "fakepkg_late:FakeLateBackend"},
         {"fakepkg_late": fake_backend("FAKE_LATE", claim)},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     bridged.registry.register_mla_prefill_backend(
         bridged.enum.FLASH_ATTN, "vllm_native_backend.NativeFlashAttnStandIn"
     )

@@ -14,7 +14,7 @@ from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.patches import legacy_flags
-from mla_prefill_ext.types import AUTOMATIC
+from mla_prefill_ext.value_types import AUTOMATIC
 
 LEGACY_TRTLLM = legacy_flags.TRTLLM_SOURCE
 LEGACY_FLASHINFER = legacy_flags.FLASHINFER_SOURCE

@@ -33,12 +33,12 @@ import torch
 from mla_prefill_ext.bridge import chunks, layers
 from mla_prefill_ext.bridge.registration import ADAPTERS_MODULE
 from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, DIMS_LIST, Shape
-from mla_prefill_ext.types import R1_MLA_DIMS
+from mla_prefill_ext.value_types import R1_MLA_DIMS
 
 
 def addon_selector_config(vllm_selector_config: Any) -> Any:
     """vLLM's ``MLAPrefillSelectorConfig`` (either shape) as the add-on's."""
-    from mla_prefill_ext.types import MLAPrefillSelectorConfig
+    from mla_prefill_ext.value_types import MLAPrefillSelectorConfig
 
     dims = getattr(vllm_selector_config, "mla_dimensions", None)
     if dims is not None:

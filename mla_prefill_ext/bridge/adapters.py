@@ -15,12 +15,11 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    from mla_prefill_ext import discovery
     from mla_prefill_ext.bridge import shape
     from mla_prefill_ext.bridge.adapter import adapter_class
-    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum, discover_installed
 
-    discovery.discover()  # installed backend packages are names too
+    discover_installed()  # installed backend packages are names too
     if name not in MLAPrefillBackendEnum.__members__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}: no MLA prefill backend {name}")
     found, problems = shape.current()

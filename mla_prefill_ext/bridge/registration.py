@@ -171,12 +171,12 @@ def _sync_name(shape: Shape, name: str, builtin: bool, native: list[str]) -> Non
 def sync(shape: Shape, force: bool = False) -> None:
     """Copy the add-on's registrations into vLLM's registry (a no-op when nothing changed)."""
     global _synced_generation
-    from mla_prefill_ext import discovery, registry
+    from mla_prefill_ext import registry
 
     if shape.string_names or _synced_generation is not None:
         # Installed packages are names too. Before vLLM 0.33 none of them can enter vLLM's registry,
         # so a process that never selects (an API server) skips reading package metadata at start.
-        discovery.discover()
+        registry.discover_installed()
     with _LOCK:
         generation = registry.generation()
         if generation == _synced_generation and not force:
