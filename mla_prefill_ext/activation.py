@@ -4,11 +4,12 @@ The entry point ``mla_prefill_ext = mla_prefill_ext:activate`` in the group
 ``vllm.general_plugins`` makes vLLM run it in the front end, the engine core and
 each worker (Ray workers included, after vLLM has applied the environment it
 copies to them) before the model is built. Activation is cheap: it checks the vLLM
-version and arms one ``wrapt`` post-import hook per patch set (``patches.PATCH_SETS``), so each
-patch lands when its vLLM module is imported, whether that happened before
-activation or happens after it.
-The patch's own modules load only then: processes that never import the MLA
-module (an API server front end, a model without MLA) never pay for them.
+version and arms the host for it (:mod:`mla_prefill_ext.hosts`): on vLLM 0.20 one
+``wrapt`` post-import hook per patch set (``hosts.vllm_0_20.PATCH_SETS``), on 0.23+ one
+per module that binds vLLM's prefill selector (``hosts.vllm_0_23.BINDING_MODULES``), so
+each lands when its vLLM module is imported, whether that happened before activation or
+happens after it. A host's own modules load only then: processes that never import the
+MLA module (an API server front end, a model without MLA) never pay for them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def _on_imported(module: ModuleType) -> None:
     # wrapt keeps post-import hooks for the life of the process; they are disarmed by
     # deactivate() rather than removed.
     if _active:
-        from mla_prefill_ext import patches
+        from mla_prefill_ext.hosts import vllm_0_20
 
-        patches.instrumentor_for(module.__name__).instrument(module)
+        vllm_0_20.instrumentor_for(module.__name__).instrument(module)
 
 
 def _vllm_missing() -> bool:
@@ -56,7 +57,8 @@ def activate() -> None:
     The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`). On an
     unsupported vLLM the patch's hooks are armed all the same: each patch set then patches
     nothing, and the MLA one only guards against an explicit backend choice (see
-    ``patches.skip``). On vLLM 0.23+ the bridge is armed instead (:mod:`mla_prefill_ext.bridge`).
+    ``hosts.vllm_0_20.skip``). On vLLM 0.23+ the bridge is armed instead
+    (:mod:`mla_prefill_ext.hosts.vllm_0_23`).
     """
     global _active
     if _vllm_missing():
@@ -74,21 +76,21 @@ def activate() -> None:
     if decision.mode == versions.BRIDGE:
         _activate_bridge(decision)  # the patch's package is never imported there
         return
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20
 
     with _LOCK:
         if _active:
             return
-        _register_hooks_once("patch", _on_imported, patches.PATCH_SETS)
+        _register_hooks_once("patch", _on_imported, vllm_0_20.PATCH_SETS)
         _active = True
         try:
             reason = decision.reason  # None in patch mode
             if reason is not None:
-                patches.skip(reason)  # says why now, and refuses an explicit choice in the environment
+                vllm_0_20.skip(reason)  # says why now, and refuses an explicit choice in the environment
         except BaseException:
             _active = False  # all or nothing: a retry starts from scratch
             raise
-    _run_for_imported(_on_imported, patches.PATCH_SETS)
+    _run_for_imported(_on_imported, vllm_0_20.PATCH_SETS)
 
 
 def _register_hooks_once(host: str, hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
@@ -125,49 +127,53 @@ def _run_for_imported(hook: Callable[[ModuleType], None], module_names: Iterable
 def _on_bridge_module_imported(module: ModuleType) -> None:
     if not _active:
         return
-    from mla_prefill_ext import bridge
+    from mla_prefill_ext.hosts import vllm_0_23
 
-    if module.__name__ == bridge.PREFILL_PACKAGE:
-        reason = bridge.instrument()
+    if module.__name__ == vllm_0_23.PREFILL_PACKAGE:
+        reason = vllm_0_23.instrument()
         if reason is not None:
-            bridge.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
+            vllm_0_23.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
     else:
-        bridge.instrument_binding(module)
+        vllm_0_23.instrument_binding(module)
 
 
 def _activate_bridge(decision: Any) -> None:
     """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
     global _active
-    from mla_prefill_ext import bridge
+    from mla_prefill_ext.hosts import vllm_0_23
 
     with _LOCK:
         if _active:
             return
-        _register_hooks_once("bridge", _on_bridge_module_imported, bridge.BINDING_MODULES)
+        _register_hooks_once("bridge", _on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
         _active = True
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
         logger.warning("mla-prefill-ext: %s", decision.warning)
-    _run_for_imported(_on_bridge_module_imported, bridge.BINDING_MODULES)
+    _run_for_imported(_on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
 
 
 # -------------------------------------------------------------------------------------------------
 
 
 def deactivate() -> None:
-    """Remove every wrapper and disarm the hooks (idempotent)."""
+    """Remove every wrapper and disarm the hooks (idempotent).
+
+    A host that was never imported armed nothing: it is not imported here either.
+    """
     global _active
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST
 
     with _LOCK:
         _active = False
-    if "mla_prefill_ext.bridge.instrumentor" in sys.modules:
-        from mla_prefill_ext import bridge
-
-        bridge.uninstrument()
-    for name, patch_set in patches.PATCH_SETS.items():
+    if f"{BRIDGE_HOST}.bridge" in sys.modules:
+        sys.modules[BRIDGE_HOST].uninstrument()
+    patch_host = sys.modules.get(PATCH_HOST)
+    if patch_host is None:
+        return
+    for name, patch_set in patch_host.PATCH_SETS.items():
         module = sys.modules.get(name)
         # Nothing to remove where the patch set never loaded.
         if module is not None and patch_set in sys.modules:
-            patches.instrumentor_for(name).uninstrument(module)
+            patch_host.instrumentor_for(name).uninstrument(module)

@@ -15,13 +15,14 @@ falls back to automatic selection, as vLLM 0.20 itself silently did.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_prefill_ext import registry, settings
-from mla_prefill_ext._logging import logger
+from mla_prefill_ext._logging import log_once, logger
 from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
 from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
@@ -84,16 +85,17 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
             cls = member.get_class()
             claim = AutoSelectClaim.of(getattr(cls, "auto_select_claim", None))
         except (ImportError, TypeError, ValueError) as e:
-            _warn_unloadable_once(member.name, str(e))
+            log_once(
+                logging.WARNING,
+                ("unloadable", member.name, str(e)),
+                "MLA prefill backend %s is left out of automatic selection: %s",
+                member.name,
+                str(e),
+            )
             continue
         if claim is not None and claim.matches(capability):
             found.append((member, claim))
     return found
-
-
-@cache
-def _warn_unloadable_once(name: str, error: str) -> None:
-    logger.warning("MLA prefill backend %s is left out of automatic selection: %s", name, error)
 
 
 def mla_prefill_backend_priorities(
@@ -118,7 +120,8 @@ def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = Non
     return choice if is_set else legacy
 
 
-def _describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
+def describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
+    """The facts a selection depends on, in words (for the messages of both hosts)."""
     cap = "no GPU" if capability is None else f"compute capability {capability.major}.{capability.minor}"
     dtype = str(config.dtype).removeprefix("torch.")
     return f"{cap}, dtype {dtype}, DeepSeek-R1 MLA dims: {'yes' if config.is_r1_compatible else 'no'}"
@@ -154,7 +157,7 @@ def select(
         else:
             message = (
                 f"MLA prefill backend {member.name} (from {choice.source}) cannot serve "
-                f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
+                f"this configuration ({describe(capability, config)}): {'; '.join(reasons)}"
             )
         if choice.explicit:
             raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
@@ -171,7 +174,7 @@ def select(
         rejected[member.name] = reasons
     detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
     raise ValueError(
-        f"No MLA prefill backend can serve this configuration ({_describe(capability, config)}). "
+        f"No MLA prefill backend can serve this configuration ({describe(capability, config)}). "
         f"Reasons: {detail}"
     )
 
@@ -189,7 +192,7 @@ def _select_cached(
         "Using %s MLA prefill backend (%s; %s).",
         selection.name,
         where,
-        _describe(capability, config),
+        describe(capability, config),
     )
     if selection.is_automatic and MLAPrefillBackendEnum[selection.name].value is None:
         claim = AutoSelectClaim.of(getattr(selection.backend, "auto_select_claim", None))

@@ -1,12 +1,14 @@
 """Dependency direction: who may import whom inside the package, checked statically (ast).
 
-- Backends import neither the selector nor the patch: a backend is chosen, it does not
-  choose, and a backend that reached into the patch (the only code that knows vLLM's
-  internals) would tie every backend to vLLM's layer internals and to import order.
+- Backends import neither the selector nor a host: a backend is chosen, it does not
+  choose, and a backend that reached into a host (the code that knows vLLM's internals)
+  would tie every backend to vLLM's layer internals and to import order.
 - The registry imports no selector (the selector keys its cache on the registry's counter).
-- Nothing under ``patches/`` imports a concrete backend: the patch knows the base class only.
-- The two hosts, ``patches/`` (vLLM 0.20) and ``bridge/`` (vLLM 0.23+), import nothing from each
-  other; the bridge, too, knows the backend base class only.
+- The two hosts, ``hosts/vllm_0_20/`` (the patch) and ``hosts/vllm_0_23/`` (the bridge), import
+  nothing from each other, and no concrete backend: they know the backend base class only.
+- ``hosts/core/`` (what both hosts do) imports neither host.
+- The CLI imports only the hosts' public interface (``hosts/__init__`` and ``hosts/core``),
+  never a host's own modules: it asks the host in force what it reports.
 - The runtime path (everything but ``testing/`` and the CLI) imports nothing from
   ``mla_prefill_ext.testing``: the conformance kit is a tool, never loaded by an engine.
 
@@ -29,7 +31,10 @@ from typing import NamedTuple
 import pytest
 
 PACKAGE = "mla_prefill_ext"
-FORBIDDEN = f"{PACKAGE}.patches"
+HOSTS = f"{PACKAGE}.hosts"
+PATCH_HOST = f"{HOSTS}.vllm_0_20"
+BRIDGE_HOST = f"{HOSTS}.vllm_0_23"
+FORBIDDEN = PATCH_HOST
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 BACKENDS = ROOT / "backends"
 
@@ -107,10 +112,10 @@ class Rule(NamedTuple):
 
 RULES = (
     Rule(
-        "backends-import-no-selector-or-patch",
+        "backends-import-no-selector-or-host",
         _in("backends"),
-        lambda: (f"{PACKAGE}.selector", FORBIDDEN),
-        "a backend is chosen, it does not choose; the patch depends on backends, not the reverse",
+        lambda: (f"{PACKAGE}.selector", HOSTS),
+        "a backend is chosen, it does not choose; the hosts depend on backends, not the reverse",
     ),
     Rule(
         "registry-imports-no-selector",
@@ -119,22 +124,28 @@ RULES = (
         "the selector depends on the registry (it keys its cache on registry.generation())",
     ),
     Rule(
-        "patches-import-no-concrete-backend",
-        _in("patches"),
-        concrete_backends,
-        "the patch knows the backend base class only (hooks such as accept_layer_hyperparameters)",
+        "patch-host-imports-no-bridge-host-or-concrete-backend",
+        _in("hosts.vllm_0_20"),
+        lambda: (BRIDGE_HOST, *concrete_backends()),
+        "the two hosts import nothing from each other; the patch knows the backend base class only",
     ),
     Rule(
-        "patches-import-no-bridge",
-        _in("patches"),
-        lambda: (f"{PACKAGE}.bridge",),
-        "the two hosts (vLLM 0.20's patch, vLLM 0.23+'s bridge) import nothing from each other",
-    ),
-    Rule(
-        "bridge-imports-no-patch-or-concrete-backend",
-        _in("bridge"),
-        lambda: (FORBIDDEN, *concrete_backends()),
+        "bridge-host-imports-no-patch-host-or-concrete-backend",
+        _in("hosts.vllm_0_23"),
+        lambda: (PATCH_HOST, *concrete_backends()),
         "the two hosts import nothing from each other; the bridge knows the backend base class only",
+    ),
+    Rule(
+        "host-core-imports-no-host",
+        _in("hosts.core"),
+        lambda: (PATCH_HOST, BRIDGE_HOST),
+        "the core is what both hosts do, on every vLLM: it cannot depend on either",
+    ),
+    Rule(
+        "cli-imports-only-the-hosts-interface",
+        _in("cli"),
+        lambda: (PATCH_HOST, BRIDGE_HOST),
+        "the CLI asks the host in force through hosts/__init__ and hosts/core, never a host's internals",
     ),
     Rule(
         "runtime-imports-no-testing",
@@ -152,21 +163,21 @@ CASES = [
 def test_the_check_sees_every_form_of_import():
     importer = f"{PACKAGE}.backends.flashinfer"
     for source in (
-        "import mla_prefill_ext.patches.mla",
-        "from mla_prefill_ext.patches.mla import INSTRUMENTOR",
-        "from mla_prefill_ext import patches",
-        "from ..patches import wrappers",
-        "from .. import patches",
-        "def f():\n    from mla_prefill_ext.patches import mla",
-        "if TYPE_CHECKING:\n    from mla_prefill_ext.patches import mla",
-        "import importlib\nimportlib.import_module('mla_prefill_ext.patches.mla')",
+        "import mla_prefill_ext.hosts.vllm_0_20.mla",
+        "from mla_prefill_ext.hosts.vllm_0_20.mla import INSTRUMENTOR",
+        "from mla_prefill_ext.hosts import vllm_0_20",
+        "from ..hosts.vllm_0_20 import mla",
+        "from ..hosts import vllm_0_20",
+        "def f():\n    from mla_prefill_ext.hosts.vllm_0_20 import mla",
+        "if TYPE_CHECKING:\n    from mla_prefill_ext.hosts.vllm_0_20 import mla",
+        "import importlib\nimportlib.import_module('mla_prefill_ext.hosts.vllm_0_20.mla')",
     ):
         assert forbidden_imports(source, importer), source
     for source in (
         "from mla_prefill_ext.backends.base import MLAPrefillBackend",
         "from . import base",
         "from mla_prefill_ext import selector",
-        "import mla_prefill_ext.patchesque",
+        "import mla_prefill_ext.hosts.vllm_0_20x",
     ):
         assert not forbidden_imports(source, importer), source
 
@@ -174,17 +185,17 @@ def test_the_check_sees_every_form_of_import():
 def test_a_concrete_backend_is_told_from_the_base_class():
     concrete = concrete_backends()
     assert f"{PACKAGE}.backends.flashinfer" in concrete and f"{PACKAGE}.backends.base" not in concrete
-    importer = f"{PACKAGE}.patches.hooks.layer"
+    importer = f"{PACKAGE}.hosts.vllm_0_20.hooks.layer"
     for source in (
         "from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend",
         "from mla_prefill_ext.backends import flashinfer",
-        "from ...backends.torch_sdpa import TorchSDPAPrefillBackend",
+        "from ....backends.torch_sdpa import TorchSDPAPrefillBackend",
     ):
         assert forbidden_imports(source, importer, concrete), source
     for source in (
         "from mla_prefill_ext.backends.base import MLAPrefillBackend",
         "from mla_prefill_ext.backends import MLAPrefillBackend",
-        "from ...backends import base",
+        "from ....backends import base",
     ):
         assert not forbidden_imports(source, importer, concrete), source
 

@@ -45,12 +45,9 @@ def test_versions_without_a_mode_say_why():
 
 
 def test_the_patch_range_is_the_tables_patch_row():
-    from mla_prefill_ext.patches import version
-
-    row = next(m for m in versions.MODES if m.name == versions.PATCH)
-    assert version.SUPPORTED_VLLM_RANGE == (row.low, row.high)
-    assert version.unsupported_reason("0.20.2") is None
-    assert version.unsupported_reason("0.25.1") is not None
+    assert versions.requirement(versions.PATCH) == ">=0.20.0,<0.21"
+    assert versions.unsupported_reason(versions.PATCH, "0.20.2") is None
+    assert versions.unsupported_reason(versions.PATCH, "0.25.1") is not None
 
 
 def test_rows_cover_every_release_from_the_first_supported_one_without_gaps():

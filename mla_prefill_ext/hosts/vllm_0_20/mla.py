@@ -1,6 +1,6 @@
 """The MLA patch set: vLLM 0.20's MLA layer, impl and metadata builder run the selected backend.
 
-Patching is all or none (:class:`~mla_prefill_ext.patches.instrumentor.Instrumentor`):
+Patching is all or none (:class:`~mla_prefill_ext.hosts.core.instrumentor.Instrumentor`):
 on an unsupported vLLM, or when any target is missing or shaped differently, nothing
 is wrapped, one line says why, and vLLM runs as stock. When the user explicitly chose a
 backend and the patch cannot honour it, :func:`instrument` raises instead, so that the
@@ -15,32 +15,24 @@ from typing import Any
 
 import wrapt
 
+from mla_prefill_ext import versions
 from mla_prefill_ext._logging import logger
+from mla_prefill_ext.hosts.core import refusal
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
+from mla_prefill_ext.hosts.vllm_0_20.hooks import builder, dispatch, layer
+from mla_prefill_ext.hosts.vllm_0_20.targets import (
+    PREFILL_CHOICE_FUNCTIONS,
+    QUERY_QUANT_FUNCTION,
+    inspect_targets,
+)
 from mla_prefill_ext.mla_layers import MLA_MODULE
-from mla_prefill_ext.patches.hooks import builder, dispatch, layer
-from mla_prefill_ext.patches.instrumentor import Instrumentor
-from mla_prefill_ext.patches.scope import current_explicit_choice
-from mla_prefill_ext.patches.targets import PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION, inspect_targets
 
 LAYER_INIT = "MLAAttention.__init__"
 
 
-def _explicit_choice() -> str | None:
-    """The user's explicit backend choice visible in this process, if any."""
-    choice = current_explicit_choice()
-    return f"{choice.source}={choice.name}" if choice else None
-
-
 def refuse_if_explicit(reason: str) -> None:
-    """Raise when the user explicitly chose a backend that cannot be honoured."""
-    choice = _explicit_choice()
-    if choice:
-        from mla_prefill_ext.versions import SUPPORTED_TEXT
-
-        raise RuntimeError(
-            f"mla-prefill-ext cannot honour {choice}: {reason}. Unset it to run vLLM's "
-            f"stock MLA prefill, or install a supported vLLM ({SUPPORTED_TEXT})."
-        )
+    """Raise when the user explicitly chose a backend that cannot be honoured (the core's refusal)."""
+    refusal.refuse_if_explicit(reason)
 
 
 class MLAInstrumentor(Instrumentor):
@@ -62,8 +54,9 @@ class MLAInstrumentor(Instrumentor):
         return table
 
     def check(self, module: ModuleType) -> str | None:
-        reason = super().check(module)
         state = self._state
+        state.vllm_version = versions.installed_vllm_version()
+        reason = versions.unsupported_reason(versions.PATCH, state.vllm_version)
         state.targets = inspect_targets(module)
         if reason is None:
             bad = [f"{t.path} {t.problem}" for t in state.targets if not t.ok]
@@ -81,7 +74,7 @@ class MLAInstrumentor(Instrumentor):
         """
         state = self._state
         with self._lock:
-            if reason != state.skipped_reason and _explicit_choice() is None:
+            if reason != state.skipped_reason and refusal.explicit_choice() is None:
                 logger.warning(
                     "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
                     reason,
@@ -90,7 +83,7 @@ class MLAInstrumentor(Instrumentor):
             if module is not None and state.guard is None:
                 try:
                     state.guard = wrapt.wrap_function_wrapper(
-                        module, LAYER_INIT, layer.make_explicit_choice_guard(reason, refuse_if_explicit)
+                        module, LAYER_INIT, refusal.explicit_choice_guard(reason)
                     )
                 except (AttributeError, wrapt.PathResolutionError):
                     pass  # no MLA layer class at all: nothing can ask for a prefill backend

@@ -1,0 +1,17 @@
+"""What the patch host reports to ``mla-prefill-ext info`` (vLLM 0.20.x; its guard on 0.21-0.22)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from mla_prefill_ext.hosts.core.report import HostReport
+
+
+def host_report(mla_module: ModuleType | None) -> HostReport:
+    """The MLA patch set's state, and its targets as found in ``mla_module`` (None: not importable)."""
+    from mla_prefill_ext.hosts.vllm_0_20 import mla
+    from mla_prefill_ext.hosts.vllm_0_20.targets import inspect_targets
+
+    state = mla.state()
+    targets = state.targets or (inspect_targets(mla_module) if mla_module is not None else [])
+    return HostReport(state.instrumented, state.skipped_reason, targets, None, [], [])
