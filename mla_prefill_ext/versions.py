@@ -51,7 +51,11 @@ MODES: tuple[Mode, ...] = (
 )
 
 TESTED = ("0.20.2", "0.25.1", "0.33.0")
-"""The releases the test matrix runs against (noxfile.py)."""
+"""The releases the test matrix runs against (noxfile.py reads them from here)."""
+
+DEV_TESTED = TESTED[0]
+"""The release of the development environment (requirements-dev.txt pins it; the nox session that
+runs in nox's own interpreter tests it); the others get an environment each under ``.nox/``."""
 
 NEWEST_TESTED: Release = (0, 33, 0)
 """Releases of this minor line and older are in the tested range; later ones warn."""
