@@ -27,7 +27,8 @@ __all__ = ["DISABLE_ENV", "activate", "deactivate", "is_active", "is_disabled"]
 
 _LOCK = threading.Lock()
 _active = False
-_HOOKED: set[str] = set()  # the hosts whose post-import hooks wrapt holds ("patch", "bridge")
+_mode: str | None = None  # what the active process armed: versions.PATCH, BRIDGE or NONE
+_HOOKED: set[str] = set()  # the modes whose post-import hooks wrapt holds
 
 
 def is_active() -> bool:
@@ -37,7 +38,7 @@ def is_active() -> bool:
 def _on_imported(module: ModuleType) -> None:
     # wrapt keeps post-import hooks for the life of the process; they are disarmed by
     # deactivate() rather than removed.
-    if _active:
+    if _active and _mode == "patch":
         from mla_prefill_ext.hosts import vllm_0_20
 
         vllm_0_20.instrumentor_for(module.__name__).instrument(module)
@@ -54,11 +55,11 @@ def _vllm_missing() -> bool:
 def activate() -> None:
     """Arm the patch or the bridge in this process (idempotent; all or nothing; a no-op when disabled).
 
-    The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`). On an
-    unsupported vLLM the patch's hooks are armed all the same: each patch set then patches
-    nothing, and the MLA one only guards against an explicit backend choice (see
-    ``hosts.vllm_0_20.skip``). On vLLM 0.23+ the bridge is armed instead
-    (:mod:`mla_prefill_ext.hosts.vllm_0_23`).
+    The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`): on vLLM
+    0.20 the patch (:mod:`mla_prefill_ext.hosts.vllm_0_20`), on 0.23+ the bridge
+    (:mod:`mla_prefill_ext.hosts.vllm_0_23`); on a vLLM without a mode only the core's
+    guard against an explicit backend choice
+    (:mod:`mla_prefill_ext.hosts.core.stock_guard`).
     """
     global _active
     if _vllm_missing():
@@ -72,9 +73,13 @@ def activate() -> None:
         return
     from mla_prefill_ext import versions
 
+    global _mode
     decision = versions.decide()
     if decision.mode == versions.BRIDGE:
         _activate_bridge(decision)  # the patch's package is never imported there
+        return
+    if decision.mode == versions.NONE:
+        _activate_stock_guard(decision.reason or "vLLM is not supported")
         return
     from mla_prefill_ext.hosts import vllm_0_20
 
@@ -82,14 +87,7 @@ def activate() -> None:
         if _active:
             return
         _register_hooks_once("patch", _on_imported, vllm_0_20.PATCH_SETS)
-        _active = True
-        try:
-            reason = decision.reason  # None in patch mode
-            if reason is not None:
-                vllm_0_20.skip(reason)  # says why now, and refuses an explicit choice in the environment
-        except BaseException:
-            _active = False  # all or nothing: a retry starts from scratch
-            raise
+        _active, _mode = True, versions.PATCH
     _run_for_imported(_on_imported, vllm_0_20.PATCH_SETS)
 
 
@@ -121,11 +119,42 @@ def _run_for_imported(hook: Callable[[ModuleType], None], module_names: Iterable
                 raise
 
 
+# --- no mode (vLLM 0.21-0.22): vLLM runs stock, an explicit choice is refused ------------------
+
+_stock_reason = ""
+
+
+def _on_unserved_module_imported(module: ModuleType) -> None:
+    if _active and _mode == "none":
+        from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
+
+        STOCK_GUARD.arm(_stock_reason, module)
+
+
+def _activate_stock_guard(reason: str) -> None:
+    """Say why nothing is patched, refuse an explicit choice now, guard the MLA layer when it loads."""
+    global _active, _mode, _stock_reason
+    from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
+    from mla_prefill_ext.mla_layers import MLA_MODULE
+
+    with _LOCK:
+        if _active:
+            return
+        _register_hooks_once("none", _on_unserved_module_imported, [MLA_MODULE])
+        _active, _mode, _stock_reason = True, "none", reason
+        try:
+            STOCK_GUARD.arm(reason)  # says why now, and refuses an explicit choice in the environment
+        except BaseException:
+            _active, _mode = False, None  # all or nothing: a retry starts from scratch
+            raise
+    _run_for_imported(_on_unserved_module_imported, [MLA_MODULE])
+
+
 # --- bridge mode (vLLM 0.23+): the add-on's backends in vLLM's own registry ---------------------
 
 
 def _on_bridge_module_imported(module: ModuleType) -> None:
-    if not _active:
+    if not (_active and _mode == "bridge"):
         return
     from mla_prefill_ext.hosts import vllm_0_23
 
@@ -139,14 +168,14 @@ def _on_bridge_module_imported(module: ModuleType) -> None:
 
 def _activate_bridge(decision: Any) -> None:
     """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
-    global _active
+    global _active, _mode
     from mla_prefill_ext.hosts import vllm_0_23
 
     with _LOCK:
         if _active:
             return
         _register_hooks_once("bridge", _on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
-        _active = True
+        _active, _mode = True, "bridge"
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
@@ -162,13 +191,17 @@ def deactivate() -> None:
 
     A host that was never imported armed nothing: it is not imported here either.
     """
-    global _active
-    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST
+    global _active, _mode
+    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST, STOCK_GUARD_MODULE
 
     with _LOCK:
-        _active = False
+        _active, _mode = False, None
     if f"{BRIDGE_HOST}.bridge" in sys.modules:
         sys.modules[BRIDGE_HOST].uninstrument()
+    if STOCK_GUARD_MODULE in sys.modules:
+        from mla_prefill_ext.mla_layers import MLA_MODULE
+
+        sys.modules[STOCK_GUARD_MODULE].STOCK_GUARD.disarm(sys.modules.get(MLA_MODULE))
     patch_host = sys.modules.get(PATCH_HOST)
     if patch_host is None:
         return

@@ -18,6 +18,7 @@ import wrapt
 import mla_prefill_ext
 from mla_prefill_ext import activation
 from mla_prefill_ext.hosts import vllm_0_20 as patches
+from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
 from mla_prefill_ext.hosts.vllm_0_20.targets import TARGETS
 
 WRAPPED = [t.path for t in TARGETS if t.wrapped]
@@ -44,7 +45,7 @@ def assert_only_the_guard(module: Any, missing: str | None = None) -> None:
             continue
         attr = raw(module, path)
         if path == "MLAAttention.__init__":
-            assert attr is patches.state().guard, path
+            assert attr is STOCK_GUARD.handle, path
         else:
             assert not isinstance(attr, wrapt.FunctionWrapper), path
 

@@ -2,8 +2,9 @@
 
 * :mod:`~mla_prefill_ext.hosts.core`: what both hosts do, on every vLLM (refusing an
   explicit choice the add-on cannot honour, the instrumentor, the builder life cycle).
-* :mod:`~mla_prefill_ext.hosts.vllm_0_20`: vLLM 0.20.x, patches vLLM's MLA layer (its
-  explicit-choice guard also runs on 0.21-0.22, where the add-on does nothing else).
+* :mod:`~mla_prefill_ext.hosts.vllm_0_20`: vLLM 0.20.x, patches vLLM's MLA layer. On
+  0.21-0.22 the add-on does nothing but the core's explicit-choice guard
+  (:mod:`~mla_prefill_ext.hosts.core.stock_guard`).
 * :mod:`~mla_prefill_ext.hosts.vllm_0_23`: vLLM 0.23 and later, bridges the add-on's
   backends into vLLM's own MLA prefill registry.
 
@@ -19,15 +20,16 @@ from typing import Any
 
 PATCH_HOST = f"{__name__}.vllm_0_20"
 BRIDGE_HOST = f"{__name__}.vllm_0_23"
+STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
 
-__all__ = ["BRIDGE_HOST", "PATCH_HOST", "host_report"]
+__all__ = ["BRIDGE_HOST", "PATCH_HOST", "STOCK_GUARD_MODULE", "host_report"]
 
 
 def host_report(mode: str, mla_module: Any = None) -> Any:
     """What the host in force for ``mode`` (``versions.PATCH``, ``BRIDGE`` or ``NONE``) reports.
 
-    A :class:`~mla_prefill_ext.hosts.core.report.HostReport`; the patch host serves mode
-    ``none`` too (its explicit-choice guard is what runs there).
+    A :class:`~mla_prefill_ext.hosts.core.report.HostReport`; in mode ``none`` the patch
+    host's report says what its targets would be and why nothing is patched.
     """
     from mla_prefill_ext import versions
 

@@ -73,7 +73,6 @@ class PatchState:
     skipped_reason: str | None = None
     targets: list[Any] = field(default_factory=list)  # the host's target statuses
     wrappers: Wrappers = field(default_factory=Wrappers)
-    guard: Any = None  # the explicit-choice guard installed instead of the patch
 
     @property
     def handles(self) -> list[tuple[str, Any]]:

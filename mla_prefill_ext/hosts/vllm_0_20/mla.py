@@ -13,12 +13,11 @@ import logging
 from types import ModuleType
 from typing import Any
 
-import wrapt
-
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.hosts.core import refusal
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
+from mla_prefill_ext.hosts.core.stock_guard import LAYER_INIT, STOCK_GUARD
 from mla_prefill_ext.hosts.vllm_0_20.hooks import builder, dispatch, layer
 from mla_prefill_ext.hosts.vllm_0_20.targets import (
     PREFILL_CHOICE_FUNCTIONS,
@@ -26,8 +25,6 @@ from mla_prefill_ext.hosts.vllm_0_20.targets import (
     inspect_targets,
 )
 from mla_prefill_ext.mla_layers import MLA_MODULE
-
-LAYER_INIT = "MLAAttention.__init__"
 
 
 def refuse_if_explicit(reason: str) -> None:
@@ -65,29 +62,16 @@ class MLAInstrumentor(Instrumentor):
         return reason
 
     def skip(self, reason: str, module: ModuleType | None = None) -> None:
-        """Leave vLLM stock: say why once, and refuse an explicit choice.
+        """Leave vLLM stock: say why once, and refuse an explicit choice (the core's stock guard).
 
         An environment choice is refused at once. A choice in ``additional_config`` is
         only visible once an engine's configuration is current, so when the MLA module is
         at hand a guard on ``MLAAttention.__init__`` refuses it as the first MLA layer is
         built, and otherwise lets vLLM run untouched.
         """
-        state = self._state
         with self._lock:
-            if reason != state.skipped_reason and refusal.explicit_choice() is None:
-                logger.warning(
-                    "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
-                    reason,
-                )
-            state.skipped_reason = reason
-            if module is not None and state.guard is None:
-                try:
-                    state.guard = wrapt.wrap_function_wrapper(
-                        module, LAYER_INIT, refusal.explicit_choice_guard(reason)
-                    )
-                except (AttributeError, wrapt.PathResolutionError):
-                    pass  # no MLA layer class at all: nothing can ask for a prefill backend
-        refuse_if_explicit(reason)
+            self._state.skipped_reason = reason
+        STOCK_GUARD.arm(reason, module)
 
     def on_instrumented(self, module: ModuleType) -> None:
         logging.getLogger(MLA_MODULE).addFilter(self._log_filter)
@@ -99,9 +83,7 @@ class MLAInstrumentor(Instrumentor):
         Layers built while the patch was in place keep their backend.
         """
         with self._lock:
-            if self._state.guard is not None:
-                wrapt.unwrap_object(module, LAYER_INIT, self._state.guard, missing_ok=True)
-                self._state.guard = None
+            STOCK_GUARD.disarm(module)
             super().uninstrument(module)
 
     def on_uninstrumented(self, module: ModuleType) -> None:
