@@ -5,7 +5,7 @@ Precedence, the first that is set wins:
 1. ``vllm_config.additional_config["mla_prefill_backend"]``
 2. the environment variable ``MLA_PREFILL_BACKEND`` (a member name, any case)
 3. the host's legacy choice, handed in as data (vLLM 0.20's ``attention_config``
-   flags, read by ``patches.legacy_flags``: the selector knows no vLLM version)
+   flags, read by ``hosts.vllm_0_20.legacy_flags``: the selector knows no vLLM version)
 4. automatic, by compute capability (see :func:`mla_prefill_backend_priorities`).
 
 An explicit choice (1 or 2) that cannot serve raises ``ValueError`` with its
@@ -114,7 +114,7 @@ def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = Non
     """The user's choice in force, by precedence; None means automatic.
 
     ``legacy`` is what the host read from its vLLM's own prefill flags (vLLM 0.20's:
-    ``patches.legacy_flags``); it counts only when the user set nothing.
+    ``hosts.vllm_0_20.legacy_flags``); it counts only when the user set nothing.
     """
     is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
     return choice if is_set else legacy
@@ -239,7 +239,7 @@ def get_mla_prefill_backend(vllm_config: VllmConfig) -> type[MLAPrefillBackend]:
     """The MLA prefill backend class for this configuration on this device.
 
     By the user's settings; vLLM 0.20's legacy flags count where the patch selects
-    (``patches.legacy_flags.backend_for``).
+    (``hosts.vllm_0_20.legacy_flags.backend_for``).
     """
     return selection_for(vllm_config).backend
 
