@@ -1,7 +1,10 @@
 """The test matrix: the CPU suite against each tested vLLM (``python -m nox``; ``-s tests-0.25.1`` for one).
 
-* ``tests-0.20.2`` runs in the interpreter that runs nox: ``.venv`` from
-  ``scripts/setup.sh`` (vLLM 0.20.2, the patch mode).
+The releases come from ``mla_prefill_ext/versions.py`` (``TESTED``, ``DEV_TESTED``), read
+by path: nox's interpreter may not import the package.
+
+* ``tests-0.20.2`` (``DEV_TESTED``) runs in the interpreter that runs nox: ``.venv`` from
+  ``scripts/setup.sh`` (vLLM 0.20.2, the patch mode; requirements-dev.txt pins it).
 * ``tests-0.25.1`` and ``tests-0.33.0`` each have a virtual environment under
   ``.nox/`` (8-9 GB: vLLM pins its own PyTorch), made once and reused; vLLM is installed
   only when the environment lacks that release; the test tools (a no-op once there) and the
@@ -15,17 +18,32 @@ The supported versions and modes are declared in ``mla_prefill_ext/versions.py``
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests-0.20.2", "tests-0.25.1", "tests-0.33.0"]
+
+def _versions_table():
+    """``mla_prefill_ext/versions.py`` alone (no vLLM, no package ``__init__``): the one table."""
+    path = Path(__file__).parent / "mla_prefill_ext" / "versions.py"
+    spec = importlib.util.spec_from_file_location("_mla_prefill_ext_versions", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_VERSIONS = _versions_table()
+DEV_VERSION = _VERSIONS.DEV_TESTED
+VENV_VERSIONS = tuple(v for v in _VERSIONS.TESTED if v != DEV_VERSION)
+
+nox.options.sessions = [f"tests-{v}" for v in _VERSIONS.TESTED]
 nox.options.reuse_venv = "yes"
 
 # Two workers, each test module kept on one (module-scoped fixtures start their processes once).
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "pytest-benchmark>=4")
-VENV_VERSIONS = ("0.25.1", "0.33.0")
 
 # The installed vLLM's version without importing vLLM (seconds): "none" when it is absent.
 _VERSION_OF_VLLM = (
@@ -34,16 +52,18 @@ _VERSION_OF_VLLM = (
 )
 
 
-@nox.session(name="tests-0.20.2", python=False)
-def tests_0_20_2(session: nox.Session) -> None:
-    """vLLM 0.20.2 (patch mode), in this interpreter (``.venv/bin/python -m nox``)."""
+@nox.session(name=f"tests-{DEV_VERSION}", python=False)
+def tests_dev(session: nox.Session) -> None:
     found = session.run(sys.executable, "-c", _VERSION_OF_VLLM, silent=True).strip()
-    if found != "0.20.2":
+    if found != DEV_VERSION:
         session.error(
-            f"this interpreter ({sys.executable}) has vLLM {found}, not 0.20.2: run nox with the "
+            f"this interpreter ({sys.executable}) has vLLM {found}, not {DEV_VERSION}: run nox with the "
             "interpreter of scripts/setup.sh's environment, .venv/bin/python -m nox"
         )
     session.run(sys.executable, *PYTEST, *session.posargs)
+
+
+tests_dev.__doc__ = f"vLLM {DEV_VERSION} (patch mode), in this interpreter (``.venv/bin/python -m nox``)."
 
 
 def _bridged(version: str) -> None:

@@ -24,13 +24,13 @@ from mla_prefill_ext.activation import activate, deactivate
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AutoSelectClaim": "mla_prefill_ext.backends.base",
-    "KernelWarmup": "mla_prefill_ext.backends.base",
+    "AutoSelectClaim": "mla_prefill_ext.value_types",
+    "KernelWarmup": "mla_prefill_ext.value_types",
     "MLAPrefillBackend": "mla_prefill_ext.backends.base",
     "MLAPrefillBackendEnum": "mla_prefill_ext.registry",
     "register_mla_prefill_backend": "mla_prefill_ext.registry",
     "get_mla_prefill_backend": "mla_prefill_ext.selector",
-    "MLAPrefillSelectorConfig": "mla_prefill_ext.types",
+    "MLAPrefillSelectorConfig": "mla_prefill_ext.value_types",
 }
 
 __all__ = [
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import AutoSelectClaim, KernelWarmup, MLAPrefillBackend
     from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
     from mla_prefill_ext.selector import get_mla_prefill_backend
-    from mla_prefill_ext.types import MLAPrefillSelectorConfig
+    from mla_prefill_ext.value_types import MLAPrefillSelectorConfig
 
 
 # The add-on's own dependencies come with vLLM: when one is missing, say so plainly.

@@ -4,11 +4,12 @@ The entry point ``mla_prefill_ext = mla_prefill_ext:activate`` in the group
 ``vllm.general_plugins`` makes vLLM run it in the front end, the engine core and
 each worker (Ray workers included, after vLLM has applied the environment it
 copies to them) before the model is built. Activation is cheap: it checks the vLLM
-version and arms one ``wrapt`` post-import hook per patch set (``patches.PATCH_SETS``), so each
-patch lands when its vLLM module is imported, whether that happened before
-activation or happens after it.
-The patch's own modules load only then: processes that never import the MLA
-module (an API server front end, a model without MLA) never pay for them.
+version and arms the host for it (:mod:`mla_prefill_ext.hosts`): on vLLM 0.20 one
+``wrapt`` post-import hook per patch set (``hosts.vllm_0_20.PATCH_SETS``), on 0.23+ one
+per module that binds vLLM's prefill selector (``hosts.vllm_0_23.BINDING_MODULES``), so
+each lands when its vLLM module is imported, whether that happened before activation or
+happens after it. A host's own modules load only then: processes that never import the
+MLA module (an API server front end, a model without MLA) never pay for them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = ["DISABLE_ENV", "activate", "deactivate", "is_active", "is_disabled"]
 
 _LOCK = threading.Lock()
 _active = False
-_HOOKED: set[str] = set()  # the hosts whose post-import hooks wrapt holds ("patch", "bridge")
+_mode: str | None = None  # what the active process armed: versions.PATCH, BRIDGE or NONE
+_HOOKED: set[str] = set()  # the modes whose post-import hooks wrapt holds
 
 
 def is_active() -> bool:
@@ -36,10 +38,10 @@ def is_active() -> bool:
 def _on_imported(module: ModuleType) -> None:
     # wrapt keeps post-import hooks for the life of the process; they are disarmed by
     # deactivate() rather than removed.
-    if _active:
-        from mla_prefill_ext import patches
+    if _active and _mode == "patch":
+        from mla_prefill_ext.hosts import vllm_0_20
 
-        patches.instrumentor_for(module.__name__).instrument(module)
+        vllm_0_20.instrumentor_for(module.__name__).instrument(module)
 
 
 def _vllm_missing() -> bool:
@@ -53,10 +55,11 @@ def _vllm_missing() -> bool:
 def activate() -> None:
     """Arm the patch or the bridge in this process (idempotent; all or nothing; a no-op when disabled).
 
-    The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`). On an
-    unsupported vLLM the patch's hooks are armed all the same: each patch set then patches
-    nothing, and the MLA one only guards against an explicit backend choice (see
-    ``patches.skip``). On vLLM 0.23+ the bridge is armed instead (:mod:`mla_prefill_ext.bridge`).
+    The mode comes from the installed vLLM (:mod:`mla_prefill_ext.versions`): on vLLM
+    0.20 the patch (:mod:`mla_prefill_ext.hosts.vllm_0_20`), on 0.23+ the bridge
+    (:mod:`mla_prefill_ext.hosts.vllm_0_23`); on a vLLM without a mode only the core's
+    guard against an explicit backend choice
+    (:mod:`mla_prefill_ext.hosts.core.stock_guard`).
     """
     global _active
     if _vllm_missing():
@@ -70,25 +73,22 @@ def activate() -> None:
         return
     from mla_prefill_ext import versions
 
+    global _mode
     decision = versions.decide()
     if decision.mode == versions.BRIDGE:
         _activate_bridge(decision)  # the patch's package is never imported there
         return
-    from mla_prefill_ext import patches
+    if decision.mode == versions.NONE:
+        _activate_stock_guard(decision.reason or "vLLM is not supported")
+        return
+    from mla_prefill_ext.hosts import vllm_0_20
 
     with _LOCK:
         if _active:
             return
-        _register_hooks_once("patch", _on_imported, patches.PATCH_SETS)
-        _active = True
-        try:
-            reason = decision.reason  # None in patch mode
-            if reason is not None:
-                patches.skip(reason)  # says why now, and refuses an explicit choice in the environment
-        except BaseException:
-            _active = False  # all or nothing: a retry starts from scratch
-            raise
-    _run_for_imported(_on_imported, patches.PATCH_SETS)
+        _register_hooks_once("patch", _on_imported, vllm_0_20.PATCH_SETS)
+        _active, _mode = True, versions.PATCH
+    _run_for_imported(_on_imported, vllm_0_20.PATCH_SETS)
 
 
 def _register_hooks_once(host: str, hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
@@ -119,55 +119,94 @@ def _run_for_imported(hook: Callable[[ModuleType], None], module_names: Iterable
                 raise
 
 
-# --- bridge mode (vLLM 0.23+): the add-on's backends in vLLM's own registry ---------------------
+# --- no mode (vLLM 0.21-0.22): vLLM runs stock, an explicit choice is refused ------------------
+
+_stock_reason = ""
 
 
-def _on_bridge_module_imported(module: ModuleType) -> None:
-    if not _active:
-        return
-    from mla_prefill_ext import bridge
+def _on_unserved_module_imported(module: ModuleType) -> None:
+    if _active and _mode == "none":
+        from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
 
-    if module.__name__ == bridge.PREFILL_PACKAGE:
-        reason = bridge.instrument()
-        if reason is not None:
-            bridge.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
-    else:
-        bridge.instrument_binding(module)
+        STOCK_GUARD.arm(_stock_reason, module)
 
 
-def _activate_bridge(decision: Any) -> None:
-    """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
-    global _active
-    from mla_prefill_ext import bridge
+def _activate_stock_guard(reason: str) -> None:
+    """Say why nothing is patched, refuse an explicit choice now, guard the MLA layer when it loads."""
+    global _active, _mode, _stock_reason
+    from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
+    from mla_prefill_ext.mla_layers import MLA_MODULE
 
     with _LOCK:
         if _active:
             return
-        _register_hooks_once("bridge", _on_bridge_module_imported, bridge.BINDING_MODULES)
-        _active = True
+        _register_hooks_once("none", _on_unserved_module_imported, [MLA_MODULE])
+        _active, _mode, _stock_reason = True, "none", reason
+        try:
+            STOCK_GUARD.arm(reason)  # says why now, and refuses an explicit choice in the environment
+        except BaseException:
+            _active, _mode = False, None  # all or nothing: a retry starts from scratch
+            raise
+    _run_for_imported(_on_unserved_module_imported, [MLA_MODULE])
+
+
+# --- bridge mode (vLLM 0.23+): the add-on's backends in vLLM's own registry ---------------------
+
+
+def _on_bridge_module_imported(module: ModuleType) -> None:
+    if not (_active and _mode == "bridge"):
+        return
+    from mla_prefill_ext.hosts import vllm_0_23
+
+    if module.__name__ == vllm_0_23.PREFILL_PACKAGE:
+        reason = vllm_0_23.instrument()
+        if reason is not None:
+            vllm_0_23.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
+    else:
+        vllm_0_23.instrument_binding(module)
+
+
+def _activate_bridge(decision: Any) -> None:
+    """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
+    global _active, _mode
+    from mla_prefill_ext.hosts import vllm_0_23
+
+    with _LOCK:
+        if _active:
+            return
+        _register_hooks_once("bridge", _on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
+        _active, _mode = True, "bridge"
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
         logger.warning("mla-prefill-ext: %s", decision.warning)
-    _run_for_imported(_on_bridge_module_imported, bridge.BINDING_MODULES)
+    _run_for_imported(_on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
 
 
 # -------------------------------------------------------------------------------------------------
 
 
 def deactivate() -> None:
-    """Remove every wrapper and disarm the hooks (idempotent)."""
-    global _active
-    from mla_prefill_ext import patches
+    """Remove every wrapper and disarm the hooks (idempotent).
+
+    A host that was never imported armed nothing: it is not imported here either.
+    """
+    global _active, _mode
+    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST, STOCK_GUARD_MODULE
 
     with _LOCK:
-        _active = False
-    if "mla_prefill_ext.bridge.instrumentor" in sys.modules:
-        from mla_prefill_ext import bridge
+        _active, _mode = False, None
+    if f"{BRIDGE_HOST}.bridge" in sys.modules:
+        sys.modules[BRIDGE_HOST].uninstrument()
+    if STOCK_GUARD_MODULE in sys.modules:
+        from mla_prefill_ext.mla_layers import MLA_MODULE
 
-        bridge.uninstrument()
-    for name, patch_set in patches.PATCH_SETS.items():
+        sys.modules[STOCK_GUARD_MODULE].STOCK_GUARD.disarm(sys.modules.get(MLA_MODULE))
+    patch_host = sys.modules.get(PATCH_HOST)
+    if patch_host is None:
+        return
+    for name, patch_set in patch_host.PATCH_SETS.items():
         module = sys.modules.get(name)
         # Nothing to remove where the patch set never loaded.
         if module is not None and patch_set in sys.modules:
-            patches.instrumentor_for(name).uninstrument(module)
+            patch_host.instrumentor_for(name).uninstrument(module)

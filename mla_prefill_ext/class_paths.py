@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend
 
-__all__ = ["backend_class_problem", "load_backend_class"]
+__all__ = ["backend_class_problem", "load_backend_class", "validate_class_path"]
 
 
 def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
@@ -67,3 +67,19 @@ def backend_class_problem(obj: Any) -> str | None:
 def _abstract_methods(cls: type) -> list[str]:
     """The abstract methods a backend class leaves unimplemented (empty: it can be built)."""
     return sorted(getattr(cls, "__abstractmethods__", ()))
+
+
+def validate_class_path(name: str, class_path: Any) -> None:
+    """A registered path names a module and a class in it; the import itself stays lazy."""
+    if not isinstance(class_path, str) or not class_path:
+        raise TypeError(
+            f"MLA prefill backend {name}: class_path must be a non-empty string "
+            f"'package.module.ClassName', got {class_path!r}"
+        )
+    module_name, _, _ = class_path.rpartition(".")
+    if not module_name or not all(part.isidentifier() for part in class_path.split(".")):
+        raise ValueError(
+            f"MLA prefill backend {name}: class path '{class_path}' is not of the form "
+            "'package.module.ClassName' (the module that defines the class, a dot, then the "
+            "class name)"
+        )

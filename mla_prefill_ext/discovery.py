@@ -8,20 +8,24 @@ A package declares its backend in the entry-point group ``mla_prefill_ext.backen
 The entry's name is the name users select (and must equal the class's
 ``get_name()``, checked when the class loads). Every process discovers the
 installed entries itself, as vLLM's own plugins do, so they are there on every node
-that has the package: nothing travels between processes. Discovery runs once per
-process, the first time a backend name is not found, every name is listed or a
-selection runs; it reads package metadata only, and a class is imported when it is
-selected or inspected. A registration by call (:func:`register_mla_prefill_backend`)
-wins over an entry of the same name; entries cannot replace a built-in backend. A
-broken entry is recorded (``info`` shows it) and never affects an engine that does
-not select it.
+that has the package: nothing travels between processes.
+
+This module is a scanner: :func:`scan` reads package metadata and returns what it
+found, each entry with the problem that makes it unusable (None: usable). It
+registers nothing and imports nothing of the add-on: the registry
+(``registry.discover_installed``) scans once per process, the first time a backend
+name is not found, every name is listed or a selection runs, and registers the
+usable entries. A class is imported when it is selected or inspected. A
+registration by call wins over an entry of the same name; entries cannot replace a
+built-in backend. A broken entry is recorded (``info`` shows it) and never affects
+an engine that does not select it: :func:`entry_problem` is where an entry is
+judged unusable.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from importlib.metadata import Distribution, EntryPoint
 from typing import NamedTuple
 
@@ -33,13 +37,9 @@ class EntryPointStatus(NamedTuple):
     value: str
     distribution: str | None
     class_path: str | None  # None when the entry is unusable
-    problem: str | None  # None: registered
+    problem: str | None  # None: usable (after registration: registered)
 
 
-# Reentrant: registering an entry point may look a name up, and a missed name discovers.
-_LOCK = threading.RLock()
-_DISCOVERED: list[EntryPointStatus] | None = None
-_RUNNING = False  # only the thread holding _LOCK can see it True
 _SECTION = f"[{ENTRY_POINT_GROUP}]"
 
 
@@ -84,48 +84,33 @@ def _class_path(value: str) -> str | None:
     return f"{module}.{attr}"
 
 
-def discover(refresh: bool = False) -> list[EntryPointStatus]:
-    """Register every installed backend entry point once per process; the outcome of each.
+def entry_problem(entry: EntryPoint, same_name: list[EntryPoint]) -> str | None:
+    """Why an installed entry point cannot be registered (None: it can be).
 
-    The registry calls it at the first name it cannot find (and before listing every
-    name); the selector before its first selection. Another thread waits for the
-    discovery in progress; a lookup made by the discovery itself gets what is known.
+    ``same_name``: every installed entry point with its name (itself included). Only what
+    metadata tells is judged here; the registry adds its own refusals (a built-in's name).
     """
-    global _DISCOVERED, _RUNNING
-    with _LOCK:
-        if _RUNNING:
-            return _DISCOVERED or []
-        if _DISCOVERED is not None and not refresh:
-            return _DISCOVERED
-        _RUNNING = True
-        try:
-            _DISCOVERED = _register_installed()
-        finally:
-            _RUNNING = False
-        return _DISCOVERED
+    if len(same_name) > 1:
+        dists = {str(getattr(getattr(e, "dist", None), "name", "?")) for e in same_name}
+        return f"declared by several packages ({', '.join(sorted(dists))}); none is registered"
+    if _class_path(entry.value) is None:
+        return f"value '{entry.value}' is not of the form 'package.module:ClassName'"
+    return None
 
 
-def _register_installed() -> list[EntryPointStatus]:
-    """Register each installed entry point with the registry; the outcome of each."""
-    from mla_prefill_ext import registry
-
-    found = _installed_entry_points()
-    by_name: dict[str, list] = {}
-    for ep in found:
+def scan() -> list[EntryPointStatus]:
+    """Every installed entry point of the group, by name, with the problem that makes it unusable."""
+    by_name: dict[str, list[EntryPoint]] = {}
+    for ep in _installed_entry_points():
         by_name.setdefault(ep.name, []).append(ep)
-    statuses = []
-    for name, eps in sorted(by_name.items()):
-        for ep in eps:
-            dist = getattr(getattr(ep, "dist", None), "name", None)
-            path = _class_path(ep.value)
-            problem = None
-            if len(eps) > 1:
-                dists = {str(getattr(getattr(e, "dist", None), "name", "?")) for e in eps}
-                others = ", ".join(sorted(dists))
-                problem = f"declared by several packages ({others}); none is registered"
-            elif path is None:
-                problem = f"value '{ep.value}' is not of the form 'package.module:ClassName'"
-            else:
-                problem = registry.register_entry_point(name, path, dist)
-            statuses.append(EntryPointStatus(name, ep.value, dist, path, problem))
-    return statuses
+    return [
+        EntryPointStatus(
+            name,
+            ep.value,
+            getattr(getattr(ep, "dist", None), "name", None),
+            _class_path(ep.value),
+            entry_problem(ep, eps),
+        )
+        for name, eps in sorted(by_name.items())
+        for ep in eps
+    ]

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from enum import Enum, EnumMeta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mla_prefill_ext import settings
+from mla_prefill_ext import discovery, settings
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.class_paths import backend_class_problem, load_backend_class
+from mla_prefill_ext.class_paths import backend_class_problem, load_backend_class, validate_class_path
 from mla_prefill_ext.settings import OVERRIDES_ENV
 
 if TYPE_CHECKING:
@@ -30,14 +30,14 @@ class _MLAPrefillBackendEnumMeta(EnumMeta):
     """Finds installed backend packages by name, and lists the valid names when there is none.
 
     A name that is not a member yet may be an installed backend package's: the first such
-    miss in a process discovers them (:func:`_discover_installed`), so that every lookup by
+    miss in a process discovers them (:func:`discover_installed`), so that every lookup by
     name sees them whether or not a selection ran before.
     """
 
     def __getitem__(cls, name: str) -> Any:
         member = cls._member_map_.get(name)
         if member is None:
-            _discover_installed()
+            discover_installed()
             member = cls._member_map_.get(name)
         if member is None:
             valid = ", ".join(cls._member_map_)
@@ -50,7 +50,7 @@ class _MLAPrefillBackendEnumMeta(EnumMeta):
             raise AttributeError(name)
         member = cls._member_map_.get(name)
         if member is None:
-            _discover_installed()
+            discover_installed()
             member = cls._member_map_.get(name)
         if member is None:
             raise AttributeError(name)
@@ -72,7 +72,7 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
         """The class path in force for this member (an override wins)."""
         path = self._path_in_force()
         if not path:
-            _discover_installed()  # an installed package of this name may not be discovered yet
+            discover_installed()  # an installed package of this name may not be discovered yet
             path = self._path_in_force()
         if not path:
             example = f'{{"{self.name}": "your.module.YourBackend"}}'
@@ -148,7 +148,8 @@ _FROM_ENVIRONMENT: set[str] = set()
 # Not mirrored to the environment: each process discovers its own installed packages.
 _ENTRY_POINTS: dict[str, tuple[str, str | None]] = {}
 _GENERATION = 0
-_READY = False
+# What discover_installed() found and registered in this process (None: not run yet).
+_DISCOVERED: list[discovery.EntryPointStatus] | None = None
 
 
 def _mirror_to_environment() -> None:
@@ -196,26 +197,34 @@ def lookup(name: str) -> MLAPrefillBackendEnum:
     """
     member = _find(name)
     if member is None:
-        _discover_installed()
+        discover_installed()
         member = _find(name)
     if member is None:
         return MLAPrefillBackendEnum[name]  # raises with the list of valid names
     return member
 
 
-def _discover_installed() -> None:
-    """Register the installed backend packages (entry points), once per process.
+def discover_installed(refresh: bool = False) -> list[discovery.EntryPointStatus]:
+    """Register the installed backend packages (entry points), once per process; the outcome of each.
 
     Called where a name is missed or every name is listed, so that lookups, listings and
-    selection all see the installed packages, whoever asks first. Reading their metadata
-    costs a few milliseconds, once; a class is imported only when it is used. A no-op
-    while this module is still being imported, and inside the discovery itself.
+    selection all see the installed packages, whoever asks first; another thread waits for
+    the one in progress. Reading their metadata costs a few milliseconds, once; a class is
+    imported only when it is used. ``refresh``: scan again (a package installed since).
     """
-    if not _READY:
-        return
-    from mla_prefill_ext import discovery  # discovery registers through this module: imported lazily
-
-    discovery.discover()
+    global _DISCOVERED
+    with _LOCK:
+        if _DISCOVERED is not None and not refresh:
+            return _DISCOVERED
+        statuses = []
+        for found in discovery.scan():
+            if found.problem is None and found.class_path is not None:
+                found = found._replace(
+                    problem=register_entry_point(found.name, found.class_path, found.distribution)
+                )
+            statuses.append(found)
+        _DISCOVERED = statuses
+        return statuses
 
 
 def _resolve_member(backend: MLAPrefillBackendEnum | str) -> MLAPrefillBackendEnum:
@@ -243,22 +252,6 @@ def _warn_if_main(name: str, class_path: str) -> None:
             "module and register it by that module's path to be safe.",
             name,
             class_path,
-        )
-
-
-def _validate_class_path(member: MLAPrefillBackendEnum, class_path: Any) -> None:
-    """A registered path names a module and a class in it; the import itself stays lazy."""
-    if not isinstance(class_path, str) or not class_path:
-        raise TypeError(
-            f"MLA prefill backend {member.name}: class_path must be a non-empty string "
-            f"'package.module.ClassName', got {class_path!r}"
-        )
-    module_name, _, _ = class_path.rpartition(".")
-    if not module_name or not all(part.isidentifier() for part in class_path.split(".")):
-        raise ValueError(
-            f"MLA prefill backend {member.name}: class path '{class_path}' is not of the form "
-            "'package.module.ClassName' (the module that defines the class, a dot, then the "
-            "class name)"
         )
 
 
@@ -318,7 +311,7 @@ def register_mla_prefill_backend(
     member = _resolve_member(backend)
 
     if class_path is not None:
-        _validate_class_path(member, class_path)
+        validate_class_path(member.name, class_path)
         _set_override(member, class_path)
         return lambda cls: cls
 
@@ -332,7 +325,7 @@ def register_mla_prefill_backend(
 
 def registered_backends() -> list[tuple[MLAPrefillBackendEnum, str | None]]:
     """Every member with the class path in force (None: CUSTOM-like, unregistered)."""
-    _discover_installed()
+    discover_installed()
     with _LOCK:
         return [
             (m, _OVERRIDES.get(m.name) or _ENTRY_POINTS.get(m.name, (m.value, None))[0])
@@ -350,7 +343,7 @@ def register_entry_point(name: str, class_path: str, distribution: str | None) -
     try:
         with _LOCK:
             member = _resolve_member(name)
-            _validate_class_path(member, class_path)
+            validate_class_path(member.name, class_path)
             _ENTRY_POINTS[member.name] = (class_path, distribution)
     except (TypeError, ValueError) as e:
         return str(e)
@@ -397,4 +390,3 @@ def _apply_environment() -> None:
 
 
 _apply_environment()
-_READY = True  # from here on a missed name may discover the installed backend packages

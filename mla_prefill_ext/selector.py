@@ -5,7 +5,7 @@ Precedence, the first that is set wins:
 1. ``vllm_config.additional_config["mla_prefill_backend"]``
 2. the environment variable ``MLA_PREFILL_BACKEND`` (a member name, any case)
 3. the host's legacy choice, handed in as data (vLLM 0.20's ``attention_config``
-   flags, read by ``patches.legacy_flags``: the selector knows no vLLM version)
+   flags, read by ``hosts.vllm_0_20.legacy_flags``: the selector knows no vLLM version)
 4. automatic, by compute capability (see :func:`mla_prefill_backend_priorities`).
 
 An explicit choice (1 or 2) that cannot serve raises ``ValueError`` with its
@@ -15,19 +15,20 @@ falls back to automatic selection, as vLLM 0.20 itself silently did.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_prefill_ext import registry, settings
-from mla_prefill_ext._logging import logger
+from mla_prefill_ext._logging import log_once, logger
 from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
 from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
 
 # MLAPrefillSelectorConfig, Selection and Choice stay importable from here too (the API names them so).
-from mla_prefill_ext.types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
+from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,9 +76,7 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     order of their names, so that claims at the same place are tried in that order in
     every process, whenever each backend was registered or discovered.
     """
-    from mla_prefill_ext import discovery
-
-    discovery.discover()
+    registry.discover_installed()
     found = []
     for member, path in sorted(registered_backends(), key=lambda entry: entry[0].name):
         if member.value is not None or not path:  # built-ins keep their own place
@@ -86,16 +85,17 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
             cls = member.get_class()
             claim = AutoSelectClaim.of(getattr(cls, "auto_select_claim", None))
         except (ImportError, TypeError, ValueError) as e:
-            _warn_unloadable_once(member.name, str(e))
+            log_once(
+                logging.WARNING,
+                ("unloadable", member.name, str(e)),
+                "MLA prefill backend %s is left out of automatic selection: %s",
+                member.name,
+                str(e),
+            )
             continue
         if claim is not None and claim.matches(capability):
             found.append((member, claim))
     return found
-
-
-@cache
-def _warn_unloadable_once(name: str, error: str) -> None:
-    logger.warning("MLA prefill backend %s is left out of automatic selection: %s", name, error)
 
 
 def mla_prefill_backend_priorities(
@@ -114,13 +114,14 @@ def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = Non
     """The user's choice in force, by precedence; None means automatic.
 
     ``legacy`` is what the host read from its vLLM's own prefill flags (vLLM 0.20's:
-    ``patches.legacy_flags``); it counts only when the user set nothing.
+    ``hosts.vllm_0_20.legacy_flags``); it counts only when the user set nothing.
     """
     is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
     return choice if is_set else legacy
 
 
-def _describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
+def describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
+    """The facts a selection depends on, in words (for the messages of both hosts)."""
     cap = "no GPU" if capability is None else f"compute capability {capability.major}.{capability.minor}"
     dtype = str(config.dtype).removeprefix("torch.")
     return f"{cap}, dtype {dtype}, DeepSeek-R1 MLA dims: {'yes' if config.is_r1_compatible else 'no'}"
@@ -156,7 +157,7 @@ def select(
         else:
             message = (
                 f"MLA prefill backend {member.name} (from {choice.source}) cannot serve "
-                f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
+                f"this configuration ({describe(capability, config)}): {'; '.join(reasons)}"
             )
         if choice.explicit:
             raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
@@ -173,7 +174,7 @@ def select(
         rejected[member.name] = reasons
     detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
     raise ValueError(
-        f"No MLA prefill backend can serve this configuration ({_describe(capability, config)}). "
+        f"No MLA prefill backend can serve this configuration ({describe(capability, config)}). "
         f"Reasons: {detail}"
     )
 
@@ -191,7 +192,7 @@ def _select_cached(
         "Using %s MLA prefill backend (%s; %s).",
         selection.name,
         where,
-        _describe(capability, config),
+        describe(capability, config),
     )
     if selection.is_automatic and MLAPrefillBackendEnum[selection.name].value is None:
         claim = AutoSelectClaim.of(getattr(selection.backend, "auto_select_claim", None))
@@ -225,9 +226,7 @@ def selection_for(vllm_config: VllmConfig, legacy: Choice | None = None) -> Sele
 
     ``legacy``: the choice the host read from its vLLM's legacy flags (see :func:`requested_choice`).
     """
-    from mla_prefill_ext import discovery
-
-    discovery.discover()  # installed packages are registrations too: before the cache key is read
+    registry.discover_installed()  # installed packages are registrations too: before the cache key
     return _select_cached(
         current_device_capability(),
         selector_config_for(vllm_config),
@@ -240,7 +239,7 @@ def get_mla_prefill_backend(vllm_config: VllmConfig) -> type[MLAPrefillBackend]:
     """The MLA prefill backend class for this configuration on this device.
 
     By the user's settings; vLLM 0.20's legacy flags count where the patch selects
-    (``patches.legacy_flags.backend_for``).
+    (``hosts.vllm_0_20.legacy_flags.backend_for``).
     """
     return selection_for(vllm_config).backend
 

@@ -4,13 +4,13 @@ Like an OpenTelemetry instrumentation's supported range, one table says what the
 add-on does on each vLLM release line:
 
 * **patch** (0.20.x): vLLM has no pluggable MLA prefill; the add-on wraps vLLM's MLA
-  layer (``mla_prefill_ext.patches``).
+  layer (``mla_prefill_ext.hosts.vllm_0_20``).
 * **none** (0.21-0.22): vLLM has its own MLA prefill backends but no way to register
   one (no ``register_mla_prefill_backend``; ``MLAPrefillBackendEnum.get_path`` returns
   the built-in path, read from the 0.21.0 and 0.22.1 wheels). The add-on changes
   nothing, and an explicit choice of an add-on backend refuses at start.
 * **bridge** (0.23 and later): the add-on's backends are registered in vLLM's own
-  registry through adapters (``mla_prefill_ext.bridge``). Tested up to
+  registry through adapters (``mla_prefill_ext.hosts.vllm_0_23``). Tested up to
   :data:`NEWEST_TESTED`; a later release is bridged when vLLM's API still has the
   shape the bridge inspects for, with one WARNING naming the tested releases.
 
@@ -51,7 +51,11 @@ MODES: tuple[Mode, ...] = (
 )
 
 TESTED = ("0.20.2", "0.25.1", "0.33.0")
-"""The releases the test matrix runs against (noxfile.py)."""
+"""The releases the test matrix runs against (noxfile.py reads them from here)."""
+
+DEV_TESTED = TESTED[0]
+"""The release of the development environment (requirements-dev.txt pins it; the nox session that
+runs in nox's own interpreter tests it); the others get an environment each under ``.nox/``."""
 
 NEWEST_TESTED: Release = (0, 33, 0)
 """Releases of this minor line and older are in the tested range; later ones warn."""
@@ -84,6 +88,28 @@ def installed_vllm_version() -> str | None:
         return dist_version("vllm")
     except PackageNotFoundError:
         return None
+
+
+def requirement(mode: str) -> str:
+    """A mode's releases as a requirement specifier: ``">=0.20.0,<0.21"`` for the patch."""
+    row = next(m for m in MODES if m.name == mode)
+    spec = ">=" + ".".join(map(str, row.low))
+    return spec + (f",<{row.high[0]}.{row.high[1]}" if row.high else "")
+
+
+def unsupported_reason(mode: str, vllm_version: str | None = None) -> str | None:
+    """Why ``vllm_version`` (default: the installed one) is not served in ``mode``; None when it is.
+
+    Only the release numbers count, so dev and local builds qualify; pre-releases of the
+    next line do not (their release is that line's). The reason is :func:`decide`'s where
+    it has one, so that activation and a host's own check say the same.
+    """
+    decision = decide(vllm_version)
+    if decision.mode == mode:
+        return None
+    return decision.reason or (
+        f"vLLM {decision.vllm_version} is not supported (supported: vllm{requirement(mode)})"
+    )
 
 
 def release(version: str) -> Release | None:

@@ -76,7 +76,8 @@ def flash_attn_kernels() -> None:
 def shim() -> Any:
     """The add-on activated in this process and vLLM's MLA module patched (vLLM 0.20 only)."""
     import mla_prefill_ext
-    from mla_prefill_ext import patches, versions
+    from mla_prefill_ext import versions
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
 
     mode = versions.decide()
     if mode.mode != versions.PATCH:
@@ -95,16 +96,14 @@ def clean_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPa
     from mla_prefill_ext.registry import OVERRIDES_ENV, MLAPrefillBackendEnum
 
     def reset() -> None:
-        from mla_prefill_ext import discovery, registry
-        from mla_prefill_ext.patches import legacy_flags
+        from mla_prefill_ext import _logging, registry
 
         for member in list(MLAPrefillBackendEnum):
             member.clear_override()
         registry._ENTRY_POINTS.clear()
-        discovery._DISCOVERED = None
-        selector._warn_unloadable_once.cache_clear()
+        registry._DISCOVERED = None
+        _logging.forget_logged()
         selector.clear_cache()
-        legacy_flags._warn_cudnn_once.cache_clear()
 
     monkeypatch.delenv(selector.BACKEND_ENV, raising=False)
     monkeypatch.delenv(OVERRIDES_ENV, raising=False)

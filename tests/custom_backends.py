@@ -62,6 +62,21 @@ class FailingWarmupBackend(TorchSDPAPrefillBackend):
         raise RuntimeError("building the context-chunk kernel failed: no compiler on this host")
 
 
+class DtypeRecordingBackend(TorchSDPAPrefillBackend):
+    """Stands in for FLASHINFER (a backend vLLM quantizes prefill queries for, given an FP8 KV cache):
+    records the (query dtype, model dtype) each warm-up is handed, and runs nothing."""
+
+    supports_fp8_query = True
+    warmups: ClassVar[list[tuple[Any, Any]]] = []
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+    def warm_up(self, device: Any, q_data_type: Any, output_dtype: Any) -> None:
+        self.warmups.append((q_data_type, output_dtype))
+
+
 class Outer:
     class NestedSDPABackend(TorchSDPAPrefillBackend):
         """Registered by qualname 'Outer.NestedSDPABackend'."""

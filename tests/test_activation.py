@@ -16,8 +16,10 @@ import pytest
 import wrapt
 
 import mla_prefill_ext
-from mla_prefill_ext import activation, patches
-from mla_prefill_ext.patches.targets import TARGETS
+from mla_prefill_ext import activation
+from mla_prefill_ext.hosts import vllm_0_20 as patches
+from mla_prefill_ext.hosts.core.stock_guard import STOCK_GUARD
+from mla_prefill_ext.hosts.vllm_0_20.targets import TARGETS
 
 WRAPPED = [t.path for t in TARGETS if t.wrapped]
 
@@ -43,7 +45,7 @@ def assert_only_the_guard(module: Any, missing: str | None = None) -> None:
             continue
         attr = raw(module, path)
         if path == "MLAAttention.__init__":
-            assert attr is patches.state().guard, path
+            assert attr is STOCK_GUARD.handle, path
         else:
             assert not isinstance(attr, wrapt.FunctionWrapper), path
 
@@ -166,11 +168,11 @@ def test_missing_target_with_explicit_choice_raises(mla_module, monkeypatch):
 
 @pytest.mark.vllm_patch
 def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, addon_log):
-    from mla_prefill_ext.patches import version
+    from mla_prefill_ext import versions
 
     monkeypatch.delenv("MLA_PREFILL_BACKEND", raising=False)
     mla_prefill_ext.deactivate()
-    monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.21.0")
     try:
         mla_prefill_ext.activate()
         assert not patches.is_instrumented()
@@ -199,16 +201,16 @@ def test_unsupported_vllm_version_is_left_stock(mla_module, monkeypatch, addon_l
     ],
 )
 def test_version_gate(version, supported):
-    from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext.versions import PATCH, unsupported_reason
 
-    assert (unsupported_reason(version) is None) is supported
+    assert (unsupported_reason(PATCH, version) is None) is supported
 
 
 # Import order and vLLM's own plugin loader need a fresh interpreter each.
 LOAD_PLUGINS = "import vllm.plugins; vllm.plugins.load_general_plugins()"
 IMPORT_MLA = "import importlib; importlib.import_module('vllm.model_executor.layers.attention.mla_attention')"
 REPORT = (
-    "import importlib, wrapt; from mla_prefill_ext import patches; "
+    "import importlib, wrapt; from mla_prefill_ext.hosts import vllm_0_20 as patches; "
     "m = importlib.import_module(patches.MLA_MODULE); "
     "print('PATCHED', patches.is_instrumented(), "
     "isinstance(m.MLAAttention.__dict__['__init__'], wrapt.FunctionWrapper))"
@@ -230,9 +232,9 @@ def test_vllm_plugin_loader_activates_before_import():
 def test_patch_modules_load_only_with_the_mla_module():
     """Activation alone (an API server, a model without MLA) loads none of the patch's modules."""
     loaded = (
-        "import sys; "
-        "print('LOADED', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.patches.'))); "
-        "print('BRIDGE', sorted(m for m in sys.modules if m.startswith('mla_prefill_ext.bridge')))"
+        "import sys; H = 'mla_prefill_ext.hosts.'; "
+        "print('LOADED', sorted(m for m in sys.modules if m.startswith(H) and m != H + 'vllm_0_20')); "
+        "print('BRIDGE', sorted(m for m in sys.modules if m.startswith(H + 'vllm_0_23')))"
     )
     out = patch_report(LOAD_PLUGINS, loaded)
     assert "LOADED []" in out  # the version table is in versions, the MLA module's name in mla_layers
@@ -244,7 +246,7 @@ def test_lazy_patch_names_resolve():
     for name in patches.__all__:
         assert getattr(patches, name) is not None
     assert patches.instrument == patches.mla.INSTRUMENTOR.instrument
-    assert patches.version.SUPPORTED_VLLM == patches.SUPPORTED_VLLM  # submodules load by name too
+    assert patches.targets.TARGETS == TARGETS  # submodules load by name too
     with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
         patches.no_such_module  # noqa: B018
 

@@ -64,7 +64,7 @@ def test_the_first_missed_name_discovers_the_installed_packages_once(site):
     # Names no other test registers: members added to the enum stay for the process (a worker
     # runs other modules first), and a name known already would make the first miss no miss.
     assert not {"FIRST_MISS", "INSTALLED_LATER"} & set(MLAPrefillBackendEnum.__members__)
-    assert discovery._DISCOVERED is None
+    assert registry._DISCOVERED is None
     assert registry.lookup("first_miss").name == "FIRST_MISS"
     assert MLAPrefillBackendEnum["FIRST_MISS"] is MLAPrefillBackendEnum.FIRST_MISS
     assert "FIRST_MISS" in {m.name for m, _ in registry.registered_backends()}
@@ -79,7 +79,7 @@ def test_the_first_missed_name_discovers_the_installed_packages_once(site):
             registry.lookup("INSTALLED_LATER")
         with pytest.raises(AttributeError):
             MLAPrefillBackendEnum.INSTALLED_LATER  # noqa: B018
-        discovery.discover(refresh=True)
+        registry.discover_installed(refresh=True)
         assert MLAPrefillBackendEnum["INSTALLED_LATER"].get_class().get_name() == "INSTALLED_LATER"
     finally:
         sys.path.remove(str(site / "later"))
@@ -93,7 +93,7 @@ def test_registration_by_call_wins_over_an_entry_point(site):
         {"fakepkg_two": fake_backend("FAKE_TWO")},
     )
     register_mla_prefill_backend("FAKE_TWO", "mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend")
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     member = MLAPrefillBackendEnum["FAKE_TWO"]
     assert member.get_path() == "mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
     assert member.source() == "registered by call"
@@ -113,7 +113,7 @@ def test_broken_entry_points_are_reported_and_never_break_selection(site, addon_
         {"FAKE_MISNAMED": "fakepkg_mis:FakeOtherBackend"},
         {"fakepkg_mis": fake_backend("FAKE_OTHER", 'AutoSelectClaim(("cpu",))')},
     )
-    statuses = {s.name: s for s in discovery.discover(refresh=True)}
+    statuses = {s.name: s for s in registry.discover_installed(refresh=True)}
     assert "not of the form" in statuses["FAKE_BAD"].problem
     assert statuses["FAKE_GONE"].problem is None  # only importing can tell
     # Automatic selection is untouched by them (the misnamed one is left out with a warning).

@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def bridged(clean_selection: pytest.MonkeyPatch) -> Iterator[Any]:
     """The add-on activated (bridge mode) with no choice or registration; the shape it found."""
     import mla_prefill_ext
-    from mla_prefill_ext import bridge
-    from mla_prefill_ext.bridge import selection
+    from mla_prefill_ext.hosts import vllm_0_23 as bridge
+    from mla_prefill_ext.hosts.vllm_0_23 import selector_wrappers as selection
 
     mla_prefill_ext.activate()
     importlib.import_module(bridge.PREFILL_PACKAGE)  # the bridge lands when vLLM's selector is imported
@@ -84,7 +84,9 @@ def test_the_env_variable_alone_makes_vllms_selector_return_the_addon_backend(
     assert issubclass(cls, bridged.base)  # vLLM's own MLAPrefillBackend
     assert cls._addon_class is TorchSDPAPrefillBackend
     assert cls.get_name() == "TORCH_SDPA"
-    assert f"{cls.__module__}.{cls.__qualname__}" == "mla_prefill_ext.bridge.adapters.TORCH_SDPA"
+    assert (
+        f"{cls.__module__}.{cls.__qualname__}" == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.TORCH_SDPA"
+    )
     assert pickle.loads(pickle.dumps(cls)) is cls
 
 
@@ -188,13 +190,13 @@ def test_custom_registered_by_call_is_vllms_custom_too(bridged, clean_selection,
     with host.gpu_view((9, 0)):
         # vLLM's own knob reaches it (registered in vLLM's registry by the next selection)...
         cls = bridged.selector.get_mla_prefill_backend(native_config(model_dirs["plain"], "CUSTOM"))
-        assert custom.get_path() == "mla_prefill_ext.bridge.adapters.CUSTOM"
+        assert custom.get_path() == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.CUSTOM"
         assert cls._addon_class.__name__ == "WrappedSDPABackend"
         # ...and so does the add-on's.
         clean_selection.setenv("MLA_PREFILL_BACKEND", "custom")
         assert bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"])) is cls
     MLAPrefillBackendEnum.CUSTOM.clear_override()
-    from mla_prefill_ext.bridge import registration
+    from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync as registration
 
     registration.sync(bridged)
     assert not custom.is_overridden()  # unregistered with the add-on: vLLM's CUSTOM is free again
@@ -202,15 +204,20 @@ def test_custom_registered_by_call_is_vllms_custom_too(bridged, clean_selection,
 
 def test_registration_into_vllm_is_idempotent(bridged, clean_selection):
     from mla_prefill_ext import register_mla_prefill_backend
-    from mla_prefill_ext.bridge import registration
+    from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync as registration
 
     register_mla_prefill_backend("BRIDGED_SDPA", "custom_backends.WrappedSDPABackend")
     for _ in range(3):
         registration.sync(bridged, force=True)
     members = bridged.enum.__members__
     if bridged.string_names:  # vLLM 0.33+: a member of vLLM's own enum
-        assert members["BRIDGED_SDPA"].get_path() == "mla_prefill_ext.bridge.adapters.BRIDGED_SDPA"
-        assert members["TORCH_SDPA"].get_path() == "mla_prefill_ext.bridge.adapters.TORCH_SDPA"
+        assert (
+            members["BRIDGED_SDPA"].get_path()
+            == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.BRIDGED_SDPA"
+        )
+        assert (
+            members["TORCH_SDPA"].get_path() == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.TORCH_SDPA"
+        )
     else:  # before 0.33 vLLM registers no new names: reached through the add-on's choice
         assert "BRIDGED_SDPA" not in members and "TORCH_SDPA" not in members
     for native in ("FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED"):
@@ -219,7 +226,7 @@ def test_registration_into_vllm_is_idempotent(bridged, clean_selection):
 
 def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged, clean_selection, addon_log):
     from mla_prefill_ext import register_mla_prefill_backend
-    from mla_prefill_ext.bridge import registration
+    from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync as registration
 
     native = next(
         n
@@ -247,7 +254,7 @@ def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged,
 def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_selection, site, model_dirs):
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     install(
         site,
@@ -255,7 +262,7 @@ def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_s
         {"FAKE_BRIDGED": "fakepkg_bridged:FakeBridgedBackend"},
         {"fakepkg_bridged": fake_backend("FAKE_BRIDGED")},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FAKE_BRIDGED")
     with host.gpu_view(None):
         cls = bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
@@ -287,7 +294,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
 ):
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     claim = 'AutoSelectClaim(("9.x",), before="FLASH_ATTN")'
     install(
@@ -296,7 +303,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
         {"FAKE_CLAIM": "fakepkg_claim:FakeClaimBackend"},
         {"fakepkg_claim": fake_backend("FAKE_CLAIM", claim)},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     cfg = config(model_dirs["plain"])
     get = bridged.selector.get_mla_prefill_backend
     try:
@@ -321,7 +328,7 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
     """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
     from test_backend_packages import fake_backend, install
 
-    from mla_prefill_ext import discovery
+    from mla_prefill_ext import registry
 
     claim = 'AutoSelectClaim(("9.x",), before="FLASHINFER")'
     install(
@@ -330,7 +337,7 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
         {"FAKE_LATE": "fakepkg_late:FakeLateBackend"},
         {"fakepkg_late": fake_backend("FAKE_LATE", claim)},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     bridged.registry.register_mla_prefill_backend(
         bridged.enum.FLASH_ATTN, "vllm_native_backend.NativeFlashAttnStandIn"
     )
@@ -501,7 +508,7 @@ def test_a_registration_in_the_driver_reaches_a_fresh_process_through_the_plugin
         """,
         **{OVERRIDES_ENV: os.environ[OVERRIDES_ENV]},
     )
-    assert "CHILD mla_prefill_ext.bridge.adapters CUSTOM WrappedSDPABackend" in out
+    assert "CHILD mla_prefill_ext.hosts.vllm_0_23.adapter_classes CUSTOM WrappedSDPABackend" in out
 
 
 def test_the_env_variable_alone_selects_in_a_fresh_process(bridged):
@@ -525,7 +532,7 @@ def test_a_config_naming_an_addon_backend_unpickles_in_a_fresh_process(bridged, 
         pytest.skip(f"vLLM {versions.installed_vllm_version()} takes no new names in its registry")
     from vllm.config import AttentionConfig
 
-    from mla_prefill_ext.bridge import registration
+    from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync as registration
 
     registration.sync(bridged, force=True)
     attention = AttentionConfig(mla_prefill_backend="TORCH_SDPA")
@@ -537,10 +544,11 @@ def test_a_config_naming_an_addon_backend_unpickles_in_a_fresh_process(bridged, 
         import pickle, sys
         attention = pickle.loads(open({str(blob)!r}, "rb").read())
         member = attention.mla_prefill_backend
-        print("CHILD", member.name, member.get_path(), "mla_prefill_ext.bridge.instrumentor" in sys.modules)
+        loaded = "mla_prefill_ext.hosts.vllm_0_23.bridge" in sys.modules
+        print("CHILD", member.name, member.get_path(), loaded)
         """
     )
-    assert "CHILD TORCH_SDPA mla_prefill_ext.bridge.adapters.TORCH_SDPA False" in out
+    assert "CHILD TORCH_SDPA mla_prefill_ext.hosts.vllm_0_23.adapter_classes.TORCH_SDPA False" in out
 
 
 # The conformance suite through the installed vLLM's calling convention.
@@ -568,8 +576,8 @@ def test_an_api_shape_the_bridge_does_not_know_is_refused_in_one_message(
     bridged, clean_selection, model_dirs
 ):
     import mla_prefill_ext
-    from mla_prefill_ext import bridge
-    from mla_prefill_ext.bridge import shape as shape_module
+    from mla_prefill_ext.hosts import vllm_0_23 as bridge
+    from mla_prefill_ext.hosts.vllm_0_23 import shape as shape_module
 
     mla_prefill_ext.deactivate()
     found = shape_module._FOUND
@@ -603,7 +611,7 @@ def test_an_api_shape_the_bridge_does_not_know_is_refused_in_one_message(
 
 
 def test_the_inspection_names_what_changed():
-    from mla_prefill_ext.bridge import shape
+    from mla_prefill_ext.hosts.vllm_0_23 import shape
 
     class ChunkBySomethingElse:
         def run_prefill_context_chunk(self, piece, q, k, v):  # type: ignore[no-untyped-def]

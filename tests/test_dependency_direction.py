@@ -1,17 +1,24 @@
 """Dependency direction: who may import whom inside the package, checked statically (ast).
 
-- Backends import neither the selector nor the patch: a backend is chosen, it does not
-  choose, and a backend that reached into the patch (the only code that knows vLLM's
-  internals) would tie every backend to vLLM's layer internals and to import order.
+- Backends import neither the selector nor a host: a backend is chosen, it does not
+  choose, and a backend that reached into a host (the code that knows vLLM's internals)
+  would tie every backend to vLLM's layer internals and to import order.
 - The registry imports no selector (the selector keys its cache on the registry's counter).
-- Nothing under ``patches/`` imports a concrete backend: the patch knows the base class only.
-- The two hosts, ``patches/`` (vLLM 0.20) and ``bridge/`` (vLLM 0.23+), import nothing from each
-  other; the bridge, too, knows the backend base class only.
+- The two hosts, ``hosts/vllm_0_20/`` (the patch) and ``hosts/vllm_0_23/`` (the bridge), import
+  nothing from each other, and no concrete backend: they know the backend base class only.
+- ``hosts/core/`` (what both hosts do) imports neither host.
+- The CLI imports only the hosts' public interface (``hosts/__init__`` and ``hosts/core``),
+  never a host's own modules: it asks the host in force what it reports.
 - The runtime path (everything but ``testing/`` and the CLI) imports nothing from
   ``mla_prefill_ext.testing``: the conformance kit is a tool, never loaded by an engine.
 
 Checked over the source files, so an import inside a function or under ``TYPE_CHECKING``
 counts too, as does ``importlib.import_module("...")`` with a literal name.
+
+No import cycles: the package's modules, linked by every import that runs (imports inside
+functions included, ``TYPE_CHECKING`` blocks left out: they never run), form no cycle. A cycle
+held together by an import inside a function works only in the order someone happened to
+import things, and needs guards to stop the recursion.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from typing import NamedTuple
 import pytest
 
 PACKAGE = "mla_prefill_ext"
-FORBIDDEN = f"{PACKAGE}.patches"
+HOSTS = f"{PACKAGE}.hosts"
+PATCH_HOST = f"{HOSTS}.vllm_0_20"
+BRIDGE_HOST = f"{HOSTS}.vllm_0_23"
+FORBIDDEN = PATCH_HOST
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 BACKENDS = ROOT / "backends"
 
@@ -102,10 +112,10 @@ class Rule(NamedTuple):
 
 RULES = (
     Rule(
-        "backends-import-no-selector-or-patch",
+        "backends-import-no-selector-or-host",
         _in("backends"),
-        lambda: (f"{PACKAGE}.selector", FORBIDDEN),
-        "a backend is chosen, it does not choose; the patch depends on backends, not the reverse",
+        lambda: (f"{PACKAGE}.selector", HOSTS),
+        "a backend is chosen, it does not choose; the hosts depend on backends, not the reverse",
     ),
     Rule(
         "registry-imports-no-selector",
@@ -114,22 +124,28 @@ RULES = (
         "the selector depends on the registry (it keys its cache on registry.generation())",
     ),
     Rule(
-        "patches-import-no-concrete-backend",
-        _in("patches"),
-        concrete_backends,
-        "the patch knows the backend base class only (hooks such as accept_layer_hyperparameters)",
+        "patch-host-imports-no-bridge-host-or-concrete-backend",
+        _in("hosts.vllm_0_20"),
+        lambda: (BRIDGE_HOST, *concrete_backends()),
+        "the two hosts import nothing from each other; the patch knows the backend base class only",
     ),
     Rule(
-        "patches-import-no-bridge",
-        _in("patches"),
-        lambda: (f"{PACKAGE}.bridge",),
-        "the two hosts (vLLM 0.20's patch, vLLM 0.23+'s bridge) import nothing from each other",
-    ),
-    Rule(
-        "bridge-imports-no-patch-or-concrete-backend",
-        _in("bridge"),
-        lambda: (FORBIDDEN, *concrete_backends()),
+        "bridge-host-imports-no-patch-host-or-concrete-backend",
+        _in("hosts.vllm_0_23"),
+        lambda: (PATCH_HOST, *concrete_backends()),
         "the two hosts import nothing from each other; the bridge knows the backend base class only",
+    ),
+    Rule(
+        "host-core-imports-no-host",
+        _in("hosts.core"),
+        lambda: (PATCH_HOST, BRIDGE_HOST),
+        "the core is what both hosts do, on every vLLM: it cannot depend on either",
+    ),
+    Rule(
+        "cli-imports-only-the-hosts-interface",
+        _in("cli"),
+        lambda: (PATCH_HOST, BRIDGE_HOST),
+        "the CLI asks the host in force through hosts/__init__ and hosts/core, never a host's internals",
     ),
     Rule(
         "runtime-imports-no-testing",
@@ -147,21 +163,21 @@ CASES = [
 def test_the_check_sees_every_form_of_import():
     importer = f"{PACKAGE}.backends.flashinfer"
     for source in (
-        "import mla_prefill_ext.patches.mla",
-        "from mla_prefill_ext.patches.mla import INSTRUMENTOR",
-        "from mla_prefill_ext import patches",
-        "from ..patches import wrappers",
-        "from .. import patches",
-        "def f():\n    from mla_prefill_ext.patches import mla",
-        "if TYPE_CHECKING:\n    from mla_prefill_ext.patches import mla",
-        "import importlib\nimportlib.import_module('mla_prefill_ext.patches.mla')",
+        "import mla_prefill_ext.hosts.vllm_0_20.mla",
+        "from mla_prefill_ext.hosts.vllm_0_20.mla import INSTRUMENTOR",
+        "from mla_prefill_ext.hosts import vllm_0_20",
+        "from ..hosts.vllm_0_20 import mla",
+        "from ..hosts import vllm_0_20",
+        "def f():\n    from mla_prefill_ext.hosts.vllm_0_20 import mla",
+        "if TYPE_CHECKING:\n    from mla_prefill_ext.hosts.vllm_0_20 import mla",
+        "import importlib\nimportlib.import_module('mla_prefill_ext.hosts.vllm_0_20.mla')",
     ):
         assert forbidden_imports(source, importer), source
     for source in (
         "from mla_prefill_ext.backends.base import MLAPrefillBackend",
         "from . import base",
         "from mla_prefill_ext import selector",
-        "import mla_prefill_ext.patchesque",
+        "import mla_prefill_ext.hosts.vllm_0_20x",
     ):
         assert not forbidden_imports(source, importer), source
 
@@ -169,17 +185,17 @@ def test_the_check_sees_every_form_of_import():
 def test_a_concrete_backend_is_told_from_the_base_class():
     concrete = concrete_backends()
     assert f"{PACKAGE}.backends.flashinfer" in concrete and f"{PACKAGE}.backends.base" not in concrete
-    importer = f"{PACKAGE}.patches.hooks.layer"
+    importer = f"{PACKAGE}.hosts.vllm_0_20.hooks.layer"
     for source in (
         "from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend",
         "from mla_prefill_ext.backends import flashinfer",
-        "from ...backends.torch_sdpa import TorchSDPAPrefillBackend",
+        "from ....backends.torch_sdpa import TorchSDPAPrefillBackend",
     ):
         assert forbidden_imports(source, importer, concrete), source
     for source in (
         "from mla_prefill_ext.backends.base import MLAPrefillBackend",
         "from mla_prefill_ext.backends import MLAPrefillBackend",
-        "from ...backends import base",
+        "from ....backends import base",
     ):
         assert not forbidden_imports(source, importer, concrete), source
 
@@ -197,6 +213,163 @@ def test_every_rule_has_modules_to_check():
 def test_dependency_direction(rule: Rule, module: str, path: Path):
     found = forbidden_imports(path.read_text(), module, rule.forbidden())
     assert not found, f"{module} imports {found}: {rule.why} ({rule.name})"
+
+
+# --- import cycles -------------------------------------------------------------------------------
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (its ``else`` runs: kept)."""
+    found: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        if _is_type_checking_block(node):
+            stack.extend(node.orelse)  # type: ignore[attr-defined]
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _module_of(name: str, modules: set[str]) -> str | None:
+    """The package module that ``import name`` loads itself (a package's is its ``__init__``)."""
+    if name in modules:
+        return name
+    if f"{name}.__init__" in modules:
+        return f"{name}.__init__"
+    return None
+
+
+def runtime_imports(source: str, importer: str, modules: set[str]) -> dict[str, int]:
+    """{package module: line} of every import of the package that runs in ``source``.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module, else of
+    ``pkg``; parent packages a dotted import loads on the way are not counted (Python runs them
+    first, they never close a cycle by themselves).
+    """
+    found: dict[str, int] = {}
+
+    def add(name: str, line: int) -> None:
+        module = _module_of(name, modules)
+        if module is not None and module != importer:
+            found.setdefault(module, line)
+
+    for node in _runtime_nodes(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module, node.level, importer)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                add(sub if _module_of(sub, modules) else base, node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+        ):
+            add(node.args[0].value, node.lineno)
+    return found
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
+    """{module: {imported package module: line}} for ``sources`` ({dotted name: source})."""
+    modules = set(sources)
+    return {name: runtime_imports(source, name, modules) for name, source in sources.items()}
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (as a closed path) per strongly connected group of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, {})):
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    return [_path_through(group, graph) for group in sorted(groups)]
+
+
+def _path_through(group: list[str], graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest cycle from the group's first module back to it, through the group."""
+    start, members = group[0], set(group)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for target in sorted(graph[module]):
+            if target == start:
+                return [*paths[module], start]
+            if target in members and target not in paths:
+                paths[target] = [*paths[module], target]
+                queue.append(target)
+    return group
+
+
+def describe_cycle(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    short = [m.removeprefix(f"{PACKAGE}.") for m in cycle]
+    steps = [f"{a} (line {graph[ca][cb]})" for a, ca, cb in zip(short, cycle, cycle[1:], strict=False)]
+    return " -> ".join([*steps, short[-1]])
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_function_level_import():
+    sources = {
+        f"{PACKAGE}.a": "def f():\n    from mla_prefill_ext import b\n",
+        f"{PACKAGE}.b": "import importlib\nimportlib.import_module('mla_prefill_ext.c')\n",
+        f"{PACKAGE}.c": "from . import a\n",
+        f"{PACKAGE}.d": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mla_prefill_ext import a\n"
+        ),
+        f"{PACKAGE}.p.__init__": "from mla_prefill_ext.p.q import X\n",
+        f"{PACKAGE}.p.q": "from mla_prefill_ext import d\n",
+    }
+    graph = import_graph(sources)
+    assert graph[f"{PACKAGE}.d"] == {}  # under TYPE_CHECKING: never runs
+    assert graph[f"{PACKAGE}.p.__init__"] == {f"{PACKAGE}.p.q": 1}
+    cycles = import_cycles(graph)
+    assert cycles == [[f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.a"]]
+    assert describe_cycle(cycles[0], graph) == "a (line 2) -> b (line 2) -> c (line 1) -> a"
+    sources[f"{PACKAGE}.c"] = "from mla_prefill_ext import d\n"
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph({name: path.read_text() for name, path in package_modules()})
+    cycles = [describe_cycle(cycle, graph) for cycle in import_cycles(graph)]
+    assert not cycles, "import cycles (imports inside functions count):\n" + "\n".join(cycles)
 
 
 # Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never

@@ -105,9 +105,9 @@ def test_stock_prefill_stays_on_other_platforms(
 ):
     import logging
 
-    from mla_prefill_ext.patches.hooks import layer
+    from mla_prefill_ext import _logging
 
-    monkeypatch.setattr(layer, "_LOGGED_STOCK_REASONS", set())
+    monkeypatch.setattr(_logging, "_LOGGED", set())
     addon_logger = logging.getLogger("vllm.mla_prefill_ext")
     level = addon_logger.level
     addon_logger.setLevel(logging.INFO)  # the line is INFO; these tests run vLLM at WARNING
@@ -241,12 +241,12 @@ def test_flashinfer_workspace_is_reserved_when_the_builder_is_created(shim, clea
 
 
 def test_failed_activation_can_be_retried(clean_selection, monkeypatch):
-    from mla_prefill_ext.patches import version
+    from mla_prefill_ext import versions
 
     activation.deactivate()
     try:
         clean_selection.setenv(settings.BACKEND_ENV, "FLASH_ATTN")
-        monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
+        monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.21.0")
         for _ in range(2):  # the second call must not silently succeed
             with pytest.raises(RuntimeError, match="cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN"):
                 activation.activate()

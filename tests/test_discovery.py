@@ -32,10 +32,10 @@ def test_an_entry_points_value_becomes_a_class_path(value, path):
 
 
 def test_discovered_once_until_refreshed(site: Path):
-    first = discovery.discover(refresh=True)
+    first = registry.discover_installed(refresh=True)
     install(site, "fakepkg-late", {"FAKE_LATE": "fakepkg_late:Late"})
-    assert discovery.discover() is first  # the process's one discovery
-    assert "FAKE_LATE" in {s.name for s in discovery.discover(refresh=True)}
+    assert registry.discover_installed() is first  # the process's one discovery
+    assert "FAKE_LATE" in {s.name for s in registry.discover_installed(refresh=True)}
 
 
 def test_only_distributions_that_name_the_group_are_read(site: Path):
@@ -56,7 +56,7 @@ def test_an_installed_package_is_registered_lazily(site):
         {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
         {"fakepkg_one": fake_backend("FAKE_ONE")},
     )
-    (status,) = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_ONE"]
+    (status,) = [s for s in registry.discover_installed(refresh=True) if s.name == "FAKE_ONE"]
     assert status.problem is None and status.distribution == "fakepkg-one"
     assert "fakepkg_one" not in sys.modules  # metadata only, until selected or inspected
     member = MLAPrefillBackendEnum["FAKE_ONE"]
@@ -67,7 +67,7 @@ def test_an_installed_package_is_registered_lazily(site):
 
 def test_an_entry_point_cannot_replace_a_builtin(site):
     install(site, "fakepkg-evil", {"FLASH_ATTN": "fakepkg_evil:Evil"})
-    (status,) = [s for s in discovery.discover(refresh=True) if s.distribution == "fakepkg-evil"]
+    (status,) = [s for s in registry.discover_installed(refresh=True) if s.distribution == "fakepkg-evil"]
     assert "cannot replace the built-in FLASH_ATTN" in status.problem
     assert MLAPrefillBackendEnum.FLASH_ATTN.get_path().startswith("mla_prefill_ext.backends.")
 
@@ -80,14 +80,14 @@ def test_entry_points_are_not_mirrored_to_child_environments(site):
         {"FAKE_ONE": "fakepkg_one:FakeOneBackend"},
         {"fakepkg_one": fake_backend("FAKE_ONE")},
     )
-    discovery.discover(refresh=True)
+    registry.discover_installed(refresh=True)
     assert "FAKE_ONE" not in os.environ.get(registry.OVERRIDES_ENV, "")
 
 
 def test_two_packages_claiming_one_name_register_neither(site):
     install(site, "fakepkg-a", {"FAKE_DUP": "fakepkg_a:A"})
     install(site, "fakepkg-b", {"FAKE_DUP": "fakepkg_b:B"})
-    statuses = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_DUP"]
+    statuses = [s for s in registry.discover_installed(refresh=True) if s.name == "FAKE_DUP"]
     assert len(statuses) == 2 and all("declared by several packages" in s.problem for s in statuses)
     assert "FAKE_DUP" not in MLAPrefillBackendEnum.__members__ or not registry._ENTRY_POINTS.get("FAKE_DUP")
 
@@ -99,7 +99,7 @@ def test_the_first_copy_of_a_package_on_sys_path_wins(site, tmp_path_factory, cl
     clean_selection.syspath_prepend(str(site))  # site before later
     sys.path.append(str(later))
     try:
-        (status,) = [s for s in discovery.discover(refresh=True) if s.name == "FAKE_ONE"]
+        (status,) = [s for s in registry.discover_installed(refresh=True) if s.name == "FAKE_ONE"]
     finally:
         sys.path.remove(str(later))
     assert status.problem is None and status.class_path == "fakepkg_one.FakeOneBackend"

@@ -10,8 +10,8 @@ import pytest
 import wrapt
 
 from mla_prefill_ext import activation, settings
-from mla_prefill_ext.patches import ARG_UTILS_MODULE, PATCH_SETS, engine_config, instrumentor_for
-from mla_prefill_ext.patches.hooks import layer
+from mla_prefill_ext.hosts.vllm_0_20 import ARG_UTILS_MODULE, PATCH_SETS, engine_config, instrumentor_for
+from mla_prefill_ext.hosts.vllm_0_20.hooks import layer
 from mla_prefill_ext.testing import vllm_host as host
 
 pytestmark = pytest.mark.vllm_patch  # the engine-config patch set of vLLM 0.20 (skipped where it bridges)
@@ -81,10 +81,10 @@ def test_uninstrument_restores_vllms_own_and_both_are_idempotent(arg_utils):
 
 
 def test_unsupported_vllm_gets_no_stamp(arg_utils, monkeypatch):
-    from mla_prefill_ext.patches import version
+    from mla_prefill_ext import versions
 
     activation.deactivate()
-    monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.21.0")
     try:
         assert not engine_config.instrument(arg_utils)
         assert "vLLM 0.21.0 is not supported" in engine_config.INSTRUMENTOR.state().skipped_reason

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import wrapt
 
-from mla_prefill_ext.patches.instrumentor import Instrumentor
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 
 
 def make_module() -> types.ModuleType:

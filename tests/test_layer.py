@@ -383,7 +383,7 @@ def two_steps_with_context(
 
     from vllm.config import set_current_vllm_config
 
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
 
     mla_module = importlib.import_module(patches.MLA_MODULE)
     builder = make_builder(cfg, layer, None)
@@ -487,7 +487,7 @@ def test_context_chunk_hook_calls_the_layer_backend(shim, clean_selection, model
 def test_additional_config_choice_is_refused_when_the_patch_cannot_land(shim, clean_selection, model_dirs):
     """A patch target missing: vLLM stays stock, but an explicit additional_config choice fails."""
     import mla_prefill_ext
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
 
     mla_prefill_ext.deactivate()
     saved = shim.use_cudnn_prefill
@@ -539,7 +539,7 @@ def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
     import wrapt
 
     import mla_prefill_ext
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
 
     sys.path.insert(0, str(Path(__file__).parent / "gpu"))
     import engine_runner

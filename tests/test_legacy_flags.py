@@ -9,12 +9,12 @@ import pytest
 from logs import warnings_in
 from test_selector import config, device
 
-from mla_prefill_ext import selector
+from mla_prefill_ext import _logging, selector
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
-from mla_prefill_ext.patches import legacy_flags
-from mla_prefill_ext.types import AUTOMATIC
+from mla_prefill_ext.hosts.vllm_0_20 import legacy_flags
+from mla_prefill_ext.value_types import AUTOMATIC
 
 LEGACY_TRTLLM = legacy_flags.TRTLLM_SOURCE
 LEGACY_FLASHINFER = legacy_flags.FLASHINFER_SOURCE
@@ -73,7 +73,7 @@ def test_legacy_flashinfer_flag(r1: Path, non_r1: Path, addon_log: Records) -> N
 
 
 def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: Records) -> None:
-    legacy_flags._warn_cudnn_once.cache_clear()  # another test may have used up the one warning
+    _logging.forget_logged()  # another test may have used up the one warning
     cfg = config(r1, use_cudnn_prefill=True)
     with device((9, 0)):
         first = legacy_flags.selection_for(cfg)
@@ -87,7 +87,7 @@ def test_cudnn_flag_warns_once_and_selects_automatically(r1: Path, addon_log: Re
 
 
 def test_cudnn_flag_is_silent_under_a_users_choice(r1: Path, addon_log: Records) -> None:
-    legacy_flags._warn_cudnn_once.cache_clear()
+    _logging.forget_logged()
     with device((9, 0)):
         legacy_flags.selection_for(config(r1, "flash_attn", use_cudnn_prefill=True))
     assert not [w for w in warnings_in(addon_log) if "use_cudnn_prefill" in w]

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from mla_prefill_ext.patches.hooks.dispatch import bind_impl_to_backend
+from mla_prefill_ext.hosts.vllm_0_20.hooks.dispatch import bind_impl_to_backend
 from mla_prefill_ext.testing import vllm_host as host
 
 pytestmark = pytest.mark.vllm_patch  # the patch of vLLM 0.20 (skipped where the add-on bridges)

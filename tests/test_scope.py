@@ -11,7 +11,8 @@ from unittest import mock
 import pytest
 
 from mla_prefill_ext import settings
-from mla_prefill_ext.patches import scope
+from mla_prefill_ext.hosts.core import refusal
+from mla_prefill_ext.hosts.vllm_0_20 import scope
 
 PLATFORMS = {
     # name: (is_* flags, device capability)
@@ -88,11 +89,11 @@ def test_the_explicit_choice_is_the_configuration_being_built(clean_selection, m
 
     from mla_prefill_ext.testing import vllm_host as host
 
-    assert scope.current_explicit_choice() is None  # no configuration, nothing set
+    assert refusal.explicit_choice() is None  # no configuration, nothing set
     clean_selection.setenv(settings.BACKEND_ENV, "flash_attn")
-    assert scope.current_explicit_choice().source == settings.BACKEND_ENV
+    assert refusal.explicit_choice().source == settings.BACKEND_ENV
     clean_selection.delenv(settings.BACKEND_ENV)
     cfg = host.make_vllm_config(model_dirs["plain"], additional_config={"mla_prefill_backend": "torch_sdpa"})
     with set_current_vllm_config(cfg):
-        choice = scope.current_explicit_choice()
+        choice = refusal.explicit_choice()
     assert (choice.name, choice.source) == ("torch_sdpa", "additional_config['mla_prefill_backend']")

@@ -23,7 +23,7 @@ from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 from mla_prefill_ext.backends.flashinfer import FlashInferPrefillBackend
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
-from mla_prefill_ext.patches import legacy_flags
+from mla_prefill_ext.hosts.vllm_0_20 import legacy_flags
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 from mla_prefill_ext.testing import vllm_host as host

@@ -27,7 +27,7 @@ from mla_prefill_ext import settings
     ],
 )
 def test_one_parser_for_every_caller(clean_selection, additional, env, expected):
-    from mla_prefill_ext.patches import mla
+    from mla_prefill_ext.hosts.core import refusal
     from mla_prefill_ext.selector import requested_choice
 
     if env is not None:
@@ -38,7 +38,7 @@ def test_one_parser_for_every_caller(clean_selection, additional, env, expected)
     assert requested_choice(config) == choice
     # The guard of an unpatchable vLLM refuses exactly what the selector would honour.
     with mock.patch("vllm.config.get_current_vllm_config_or_none", return_value=config):
-        assert (mla._explicit_choice() is not None) == (choice is not None)
+        assert (refusal.explicit_choice() is not None) == (choice is not None)
 
 
 def test_a_choice_that_is_not_a_string_is_named():

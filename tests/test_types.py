@@ -7,10 +7,11 @@ import json
 import torch
 
 import mla_prefill_ext
-from mla_prefill_ext import selector, types
+from mla_prefill_ext import selector
+from mla_prefill_ext import value_types as types
 from mla_prefill_ext.backends import base
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
-from mla_prefill_ext.types import AUTOMATIC, R1_MLA_DIMS, MLADims, MLAPrefillSelectorConfig, Selection
+from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLADims, MLAPrefillSelectorConfig, Selection
 
 
 def test_one_selector_config_under_every_name():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
@@ -45,12 +47,9 @@ def test_versions_without_a_mode_say_why():
 
 
 def test_the_patch_range_is_the_tables_patch_row():
-    from mla_prefill_ext.patches import version
-
-    row = next(m for m in versions.MODES if m.name == versions.PATCH)
-    assert version.SUPPORTED_VLLM_RANGE == (row.low, row.high)
-    assert version.unsupported_reason("0.20.2") is None
-    assert version.unsupported_reason("0.25.1") is not None
+    assert versions.requirement(versions.PATCH) == ">=0.20.0,<0.21"
+    assert versions.unsupported_reason(versions.PATCH, "0.20.2") is None
+    assert versions.unsupported_reason(versions.PATCH, "0.25.1") is not None
 
 
 def test_rows_cover_every_release_from_the_first_supported_one_without_gaps():
@@ -58,3 +57,11 @@ def test_rows_cover_every_release_from_the_first_supported_one_without_gaps():
     for before, after in itertools.pairwise(rows):
         assert before.high == after.low
     assert rows[-1].high is None
+
+
+def test_the_dev_requirements_pin_the_release_the_default_environment_tests():
+    """requirements-dev.txt (what scripts/setup.sh installs) and the table name the same vLLM."""
+    text = (Path(__file__).resolve().parents[1] / "requirements-dev.txt").read_text()
+    assert re.findall(r"^vllm==(\S+)\s*$", text, re.MULTILINE) == [versions.DEV_TESTED]
+    assert versions.DEV_TESTED in versions.TESTED
+    assert versions.decide(versions.DEV_TESTED).mode == versions.PATCH

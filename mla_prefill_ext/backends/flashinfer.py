@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
 
-    from mla_prefill_ext.types import LayerHyperparametersReader
+    from mla_prefill_ext.value_types import LayerHyperparametersReader
 
 # FlashInfer's kernels (fa2, fa3 and the SM100 cutlass FMHA alike) return the LSE
 # in base 2; vLLM's merge_attn_states needs natural log.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.backends.base import ContextChunk, KernelWarmup
+from mla_prefill_ext.value_types import ContextChunk, KernelWarmup
 
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend

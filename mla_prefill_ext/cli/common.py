@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from mla_prefill_ext.types import AUTOMATIC  # the source of a selection no setting made
+from mla_prefill_ext.value_types import AUTOMATIC  # the source of a selection no setting made
 
 EXIT_OK, EXIT_PROBLEM, EXIT_CANNOT_CHECK = 0, 1, 2
 EXIT_FAIL = EXIT_PROBLEM  # older name

@@ -134,7 +134,7 @@ class InfoReport(Report):
     patched: bool
     skipped_reason: str | None
     mla_module: str
-    targets: list[Any]  # patches.targets.TargetStatus
+    targets: list[Any]  # the patch host's target statuses (hosts.core.report.HostReport)
     platform: dict[str, Any]
     choice: ChoiceReport
     backends: list[dict[str, Any]]
@@ -261,16 +261,15 @@ def cmd_info(args: argparse.Namespace) -> Report:
         return CannotCheck("info", host)
 
     import mla_prefill_ext
-    from mla_prefill_ext import activation, patches, versions
-    from mla_prefill_ext.patches.targets import inspect_targets
-    from mla_prefill_ext.patches.version import unsupported_reason
+    from mla_prefill_ext import activation, hosts, versions
+    from mla_prefill_ext.mla_layers import MLA_MODULE
     from mla_prefill_ext.selector import current_device_capability
     from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV
 
     findings: list[Finding] = []
     mode = versions.decide(host.vllm_version)
     bridged = mode.mode == versions.BRIDGE
-    version_reason = None if bridged else unsupported_reason(host.vllm_version)
+    version_reason = None if bridged else versions.unsupported_reason(versions.PATCH, host.vllm_version)
     if mode.mode == versions.NONE:
         version_reason = mode.reason
     if mode.warning is not None:
@@ -302,27 +301,19 @@ def cmd_info(args: argparse.Namespace) -> Report:
         refusals.append(str(e))
     mla_module = None
     try:
-        mla_module = importlib.import_module(patches.MLA_MODULE)
+        mla_module = importlib.import_module(MLA_MODULE)
     except RuntimeError as e:
         refusals.append(str(e))
-        mla_module = sys.modules.get(patches.MLA_MODULE)
+        mla_module = sys.modules.get(MLA_MODULE)
     except Exception as e:
-        findings.append(
-            Finding("problem", f"vLLM's MLA module {patches.MLA_MODULE} cannot be imported ({e}).")
-        )
+        findings.append(Finding("problem", f"vLLM's MLA module {MLA_MODULE} cannot be imported ({e})."))
     findings += [Finding("problem", r if r.endswith(".") else f"{r}.") for r in dict.fromkeys(refusals)]
 
-    st = patches.state()
-    targets = st.targets or (inspect_targets(mla_module) if mla_module is not None else [])
-    patched = st.instrumented
-    bridge_info, bridge_lines = None, []
-    if bridged:  # vLLM 0.23+: the bridge, not the patch (mla_prefill_ext.bridge)
-        from mla_prefill_ext.bridge.report import bridge_report
-
-        bridge_info, bridge_lines, bridge_problems = bridge_report()
-        if not disabled:
-            findings += [Finding("problem", p) for p in bridge_problems]
-        targets, patched = [], bool(bridge_info["instrumented"])
+    # What the host in force (the patch on 0.20, the bridge on 0.23+) reports about itself.
+    st = hosts.host_report(mode.mode, mla_module)
+    targets, patched = st.targets, st.instrumented
+    if not disabled:
+        findings += [Finding("problem", p) for p in st.problems]
     if not disabled and not patched and version_reason is None and not refusals and mla_module is not None:
         findings.append(
             Finding(
@@ -355,7 +346,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
         active=activation.is_active(),
         patched=patched,
         skipped_reason=st.skipped_reason,
-        mla_module=patches.MLA_MODULE,
+        mla_module=MLA_MODULE,
         targets=targets,
         platform=platform_info,
         choice=choice,
@@ -365,6 +356,6 @@ def cmd_info(args: argparse.Namespace) -> Report:
         environment={name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)},
         findings=findings,
         mode=mode.mode,
-        bridge=bridge_info,
-        bridge_lines=bridge_lines,
+        bridge=st.info,
+        bridge_lines=st.lines,
     )

@@ -57,10 +57,11 @@ def overrides_findings(raw: str | None) -> list[Finding]:
 
 def entry_point_rows() -> tuple[list[dict[str, Any]], list[Finding]]:
     """Installed backend packages (entry points): registered, or why not."""
-    from mla_prefill_ext.discovery import ENTRY_POINT_GROUP, discover
+    from mla_prefill_ext.discovery import ENTRY_POINT_GROUP
+    from mla_prefill_ext.registry import discover_installed
 
     rows, findings = [], []
-    for ep in discover():
+    for ep in discover_installed():
         rows.append(ep._asdict())
         if ep.problem:
             package = f" of package {ep.distribution}" if ep.distribution else ""

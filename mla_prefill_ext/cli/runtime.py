@@ -66,7 +66,7 @@ def bytecode_findings(packages: dict[str, str] | None = None, can_write: bool | 
 
 def platform_report() -> tuple[dict[str, Any], list[Finding]]:
     """vLLM's platform in this process, and whether the add-on takes over MLA prefill there."""
-    from mla_prefill_ext.patches.scope import platform_reason
+    from mla_prefill_ext.hosts.core.platform import platform_reason
 
     try:
         from vllm.platforms import current_platform

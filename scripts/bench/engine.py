@@ -85,9 +85,9 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
     hosts = [
         getattr(_sys.modules.get(name), "is_instrumented", None)
         for name in (
-            "mla_prefill_ext.patches.mla",
-            "mla_prefill_ext.patches.instrumentor",
-            "mla_prefill_ext.bridge.instrumentor",
+            "mla_prefill_ext.hosts.vllm_0_20.mla",
+            "mla_prefill_ext.hosts.core.instrumentor",
+            "mla_prefill_ext.hosts.vllm_0_23.bridge",
         )
     ]
     package = _sys.modules.get("mla_prefill_ext")

@@ -60,11 +60,11 @@ for name in {HOOKS!r}:
 # Asked in the order that imports nothing more than the mode loaded: the bridge's package is loaded
 # by then where it applies, the patch's lazy modules are not.
 LANDED = """
-bridge = sys.modules.get("mla_prefill_ext.bridge")
+bridge = sys.modules.get("mla_prefill_ext.hosts.vllm_0_23")
 if bridge is not None and bridge.is_instrumented():
     landed = True
 else:
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
     landed = patches.is_instrumented()
 """
 

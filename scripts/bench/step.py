@@ -107,7 +107,7 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
 def bench_step(args: Any, names: list[str], layer_counts: list[int]) -> dict[str, Any]:
     """Every backend of ``names``, one after the other, on one model folder with the most layers."""
     import mla_prefill_ext
-    from mla_prefill_ext import patches
+    from mla_prefill_ext.hosts import vllm_0_20 as patches
     from mla_prefill_ext.testing import vllm_host
 
     mla_prefill_ext.activate()

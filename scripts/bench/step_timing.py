@@ -101,8 +101,8 @@ def addon_block(builders: dict[int, Any], layers: list[Any], batch: Any, args: A
     ``samples[n]``. Turns step by step, not block by block, so that what
     else runs on the machine weighs on every layer count alike.
     """
-    from mla_prefill_ext.patches import MLA_MODULE
-    from mla_prefill_ext.patches.hooks import builder as builder_hooks
+    from mla_prefill_ext.hosts.vllm_0_20 import MLA_MODULE
+    from mla_prefill_ext.hosts.vllm_0_20.hooks import builder as builder_hooks
 
     stock_build = vars(sys.modules[MLA_MODULE].MLACommonMetadataBuilder)["build"].__wrapped__  # vLLM's own
     inner: list[int] = []
@@ -186,7 +186,7 @@ def addon_block(builders: dict[int, Any], layers: list[Any], batch: Any, args: A
 def stock_block(builders: dict[int, Any], batch: Any, args: Any, samples: dict) -> None:
     """The same builders' build() with the add-on deactivated (vLLM as shipped), taking turns."""
     import mla_prefill_ext
-    from mla_prefill_ext.patches import MLA_MODULE
+    from mla_prefill_ext.hosts.vllm_0_20 import MLA_MODULE
 
     mla = sys.modules[MLA_MODULE]
     mla_prefill_ext.deactivate()

@@ -1,6 +1,6 @@
 """vLLM 0.23+'s calling convention, through the bridge: a backend as the installed vLLM runs it.
 
-The backend is built as the bridge registers it (:func:`mla_prefill_ext.bridge.adapter.make_adapter`:
+The backend is built as the bridge registers it (:func:`mla_prefill_ext.hosts.vllm_0_23.adapter.make_adapter`:
 a subclass of vLLM's own ``MLAPrefillBackend`` around the add-on class) and driven with the
 keywords vLLM's ``forward_mha`` passes:
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mla_prefill_ext.backends.base import MLAPrefillBackend, context_chunks
-from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, Shape
+from mla_prefill_ext.hosts.vllm_0_23.shape import CHUNK_OBJECT, Shape
 from mla_prefill_ext.mla_layers import MLA_MODULE
 from mla_prefill_ext.testing.conventions.base import StepResult, drive_step
 from mla_prefill_ext.testing.problem import PrefillProblem
@@ -99,7 +99,7 @@ class BridgedConvention:
         self.shape = shape
 
     def construct(self, cls: type[MLAPrefillBackend], kwargs: dict[str, Any]) -> Any:
-        from mla_prefill_ext.bridge.adapter import make_adapter
+        from mla_prefill_ext.hosts.vllm_0_23.adapter import make_adapter
 
         return make_adapter(cls.get_name(), cls, self.shape)(**kwargs)
 
@@ -143,7 +143,7 @@ def installed_vllm_convention() -> Any:
 
     if versions.decide().mode != versions.BRIDGE:
         return ChunkIndexConvention()
-    from mla_prefill_ext.bridge.shape import current
+    from mla_prefill_ext.hosts.vllm_0_23.shape import current
 
     shape, _ = current()
     return ChunkIndexConvention() if shape is None else BridgedConvention(shape)

@@ -12,7 +12,8 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
-from mla_prefill_ext.patches.scope import current_explicit_choice, platform_reason
+from mla_prefill_ext.hosts.core.refusal import explicit_choice
+from mla_prefill_ext.hosts.vllm_0_20.scope import platform_reason
 
 # vLLM 0.20 announces its own (now bypassed) prefill choice; our selector logs the real one.
 _STALE_MESSAGES = frozenset(
@@ -37,7 +38,7 @@ def prefill_is_ours(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> bool
 
     On a platform where vLLM keeps its own prefill (see :mod:`scope`) they answer as stock.
     """
-    if platform_reason() is not None and current_explicit_choice() is None:
+    if platform_reason() is not None and explicit_choice() is None:
         return wrapped(*args, **kwargs)
     return False
 
@@ -47,9 +48,9 @@ def supports_prefill_query_quantization(wrapped: Any, instance: Any, args: Any, 
     from vllm.config import get_current_vllm_config_or_none
     from vllm.platforms import current_platform
 
-    from mla_prefill_ext.patches.legacy_flags import backend_for
+    from mla_prefill_ext.hosts.vllm_0_20.legacy_flags import backend_for
 
-    if platform_reason() is not None and current_explicit_choice() is None:
+    if platform_reason() is not None and explicit_choice() is None:
         return wrapped(*args, **kwargs)
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or not current_platform.is_device_capability_family(100):

@@ -1,6 +1,8 @@
 """Instrument / uninstrument vLLM 0.23+'s MLA prefill selector: the bridge itself.
 
-Symmetric and idempotent, all or none, like the patch's instrumentor.
+Symmetric and idempotent, all or none, on the core's instrumentor bookkeeping
+(:class:`~mla_prefill_ext.hosts.core.instrumentor.Wrappers`) and refusal
+(:mod:`mla_prefill_ext.hosts.core.refusal`), as the patch's patch sets.
 :func:`instrument` inspects vLLM's API (:mod:`shape`), wraps its selector's
 ``get_mla_prefill_backend`` and ``_auto_select_mla_prefill_backend`` with ``wrapt``,
 and registers the add-on's backends in vLLM's registry. Modules that imported
@@ -17,11 +19,12 @@ import threading
 from types import ModuleType
 from typing import Any
 
-import wrapt
-
+from mla_prefill_ext import versions
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.bridge import registration, selection
-from mla_prefill_ext.bridge.shape import PREFILL_PACKAGE, SELECTOR_MODULE, Shape, current
+from mla_prefill_ext.hosts.core import refusal
+from mla_prefill_ext.hosts.core.instrumentor import Wrappers
+from mla_prefill_ext.hosts.vllm_0_23 import selector_wrappers, vllm_registry_sync
+from mla_prefill_ext.hosts.vllm_0_23.shape import PREFILL_PACKAGE, SELECTOR_MODULE, Shape, current
 from mla_prefill_ext.mla_layers import MLA_MODULE
 
 GET = "get_mla_prefill_backend"
@@ -44,7 +47,7 @@ class BridgeState:
         self.shape: Shape | None = None
         self.problem: str | None = None
         self.binding_wrapper: Any = None  # what the bindings get: the selection wrapper, or the guard
-        self.handles: list[tuple[ModuleType, str, Any]] = []
+        self.wrappers = Wrappers()
 
     def __repr__(self) -> str:
         return f"BridgeState(instrumented={self.instrumented}, problem={self.problem!r})"
@@ -63,49 +66,17 @@ def is_instrumented() -> bool:
     return _STATE.instrumented
 
 
-def refusal(reason: str) -> str | None:
-    """The message refusing the add-on's explicit choice in this process, or None when none is set."""
-    from mla_prefill_ext import settings
-
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        config = get_current_vllm_config_or_none()
-    except ImportError:
-        config = None
-    choice = settings.explicit_choice(getattr(config, "additional_config", None))
-    if choice is None:
-        return None
-    from mla_prefill_ext.versions import SUPPORTED_TEXT
-
-    return (
-        f"mla-prefill-ext cannot honour {choice.source}={choice.name}: {reason}. Unset it to run vLLM's "
-        f"own MLA prefill selection, or install a supported vLLM ({SUPPORTED_TEXT})."
-    )
-
-
 def refuse_if_explicit(reason: str) -> None:
-    message = refusal(reason)
-    if message is not None:
-        raise RuntimeError(message)
+    """Raise when the user explicitly chose a backend that cannot be honoured (the core's refusal)."""
+    refusal.refuse_if_explicit(reason)
 
 
-def _guard(reason: str) -> Any:
-    def guard(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        from mla_prefill_ext import settings
-
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        choice = settings.explicit_choice(getattr(vllm_config, "additional_config", None))
-        if choice is not None:
-            raise RuntimeError(refusal(reason) or f"mla-prefill-ext cannot honour {choice.source}: {reason}")
-        return wrapped(*args, **kwargs)
-
-    return guard
+def _config_arg(args: tuple, kwargs: dict) -> Any:
+    return kwargs.get("vllm_config", args[0] if args else None)
 
 
 def _wrap(module: ModuleType, name: str, wrapper: Any) -> None:
-    handle = wrapt.wrap_function_wrapper(module, name, wrapper)
-    _STATE.handles.append((module, name, handle))
+    _STATE.wrappers.wrap(module, name, wrapper)
 
 
 def instrument(selector_module: ModuleType | None = None) -> str | None:
@@ -125,12 +96,12 @@ def instrument(selector_module: ModuleType | None = None) -> str | None:
         module = shape.selector
         _original_get = getattr(getattr(module, GET), "__wrapped__", getattr(module, GET))
         try:
-            _STATE.binding_wrapper = selection.make_get_wrapper(shape)
+            _STATE.binding_wrapper = selector_wrappers.make_get_wrapper(shape)
             _wrap(module, GET, _STATE.binding_wrapper)
-            _wrap(module, AUTO, selection.make_auto_wrapper(shape))
-            registration.sync(shape, force=True)
+            _wrap(module, AUTO, selector_wrappers.make_auto_wrapper(shape))
+            vllm_registry_sync.sync(shape, force=True)
         except Exception as e:  # all or none
-            _unwrap_all()
+            _STATE.wrappers.unwrap_all()
             _STATE.binding_wrapper = None
             return _decline(f"bridging failed ({type(e).__name__}: {e})", module)
         _STATE.shape = shape
@@ -152,11 +123,9 @@ def _instrument_loaded_bindings() -> None:
 def _decline(reason: str, module: ModuleType | None) -> str:
     """Wrap nothing but a guard that refuses the add-on's explicit choice."""
     global _original_get
-    from mla_prefill_ext.versions import installed_vllm_version
-
-    message = f"vLLM {installed_vllm_version()}: {reason}"
+    message = f"vLLM {versions.installed_vllm_version()}: {reason}"
     _STATE.problem = message
-    if refusal(message) is None:
+    if refusal.explicit_choice() is None:
         logger.warning(
             "mla-prefill-ext is not bridging vLLM's MLA prefill selection (%s); vLLM selects its own "
             "backends as without the add-on.",
@@ -164,7 +133,7 @@ def _decline(reason: str, module: ModuleType | None) -> str:
         )
     if module is not None and callable(getattr(module, GET, None)):
         _original_get = getattr(getattr(module, GET), "__wrapped__", getattr(module, GET))
-        _STATE.binding_wrapper = _guard(message)
+        _STATE.binding_wrapper = refusal.explicit_choice_guard(message, _config_arg)
         _wrap(module, GET, _STATE.binding_wrapper)
         _instrument_loaded_bindings()
     return message
@@ -181,25 +150,14 @@ def instrument_binding(module: ModuleType) -> None:
         _wrap(module, GET, _STATE.binding_wrapper)
 
 
-def _unwrap_all() -> None:
-    for module, name, handle in reversed(_STATE.handles):
-        try:
-            wrapt.unwrap_object(module, name, handle, missing_ok=True)
-        except wrapt.WrapperNotOutermostError as e:
-            logger.warning(
-                "mla-prefill-ext could not remove its wrapper on %s.%s: %s", module.__name__, name, e
-            )
-    _STATE.handles = []
-
-
 def uninstrument() -> None:
     """Remove every wrapper and vLLM's CUSTOM registration the bridge made (idempotent)."""
     with _LOCK:
-        _unwrap_all()
+        _STATE.wrappers.unwrap_all()
         if _STATE.shape is not None:
-            registration.unregister(_STATE.shape)
+            vllm_registry_sync.unregister(_STATE.shape)
         _STATE.instrumented = False
         _STATE.shape = None
         _STATE.problem = None
         _STATE.binding_wrapper = None
-        selection.clear_caches()
+        selector_wrappers.clear_caches()

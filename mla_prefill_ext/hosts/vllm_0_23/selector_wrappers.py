@@ -24,40 +24,18 @@ invalid here does not move ahead of vLLM's later pick.
 
 from __future__ import annotations
 
-import threading
+import logging
 from functools import lru_cache
 from typing import Any
 
-from mla_prefill_ext._logging import logger
-from mla_prefill_ext.bridge import registration
-from mla_prefill_ext.bridge.shape import Shape
+from mla_prefill_ext._logging import first_time, log_once, logger
+from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync
+from mla_prefill_ext.hosts.vllm_0_23.shape import Shape
+from mla_prefill_ext.versions import installed_vllm_version
 
 # The adapter module (torch, the backends' base) loads at the first selection, not at start.
 
 NATIVE_SOURCE = "attention_config.mla_prefill_backend"
-
-_LOCK = threading.Lock()
-_logged: set[Any] = set()
-
-
-def _once(key: Any) -> bool:
-    with _LOCK:
-        if key in _logged:
-            return False
-        _logged.add(key)
-        return True
-
-
-def _vllm_version() -> str:
-    from mla_prefill_ext.versions import installed_vllm_version
-
-    return installed_vllm_version() or "?"
-
-
-def _describe(capability: Any, config: Any) -> str:
-    cap = "no GPU" if capability is None else f"compute capability {capability.major}.{capability.minor}"
-    dtype = str(config.dtype).removeprefix("torch.")
-    return f"{cap}, dtype {dtype}, DeepSeek-R1 MLA dims: {'yes' if config.is_r1_compatible else 'no'}"
 
 
 def _config_arg(args: tuple, kwargs: dict) -> Any:
@@ -79,18 +57,18 @@ def native_choice(vllm_config: Any) -> Any:
 @lru_cache(maxsize=64)
 def _select(shape: Shape, capability: Any, config: Any, choice: Any, generation: int) -> type:
     from mla_prefill_ext import selector
-    from mla_prefill_ext.bridge.adapter import adapter_class
+    from mla_prefill_ext.hosts.vllm_0_23.adapter import adapter_class
 
     try:
         selection = selector.select(capability, config, choice)
     except ValueError as e:
-        raise ValueError(f"mla-prefill-ext (vLLM {_vllm_version()}, bridged): {e}") from None
+        raise ValueError(f"mla-prefill-ext (vLLM {installed_vllm_version()}, bridged): {e}") from None
     logger.info(
         "Using %s MLA prefill backend (mla-prefill-ext, from %s; %s), through vLLM %s's own selector.",
         selection.name,
         choice.source,
-        _describe(capability, config),
-        _vllm_version(),
+        selector.describe(capability, config),
+        installed_vllm_version(),
     )
     return adapter_class(selection.name, shape)
 
@@ -98,15 +76,16 @@ def _select(shape: Shape, capability: Any, config: Any, choice: Any, generation:
 def _log_precedence(choice: Any, native: Any) -> None:
     if native is None or native.name.upper() == choice.name.upper():
         return
-    if _once(("precedence", choice.name, choice.source, native.name)):
-        logger.info(
-            "MLA prefill backend: %s=%s takes precedence over %s=%s (the add-on's choice wins; unset "
-            "one of them to silence this).",
-            choice.source,
-            choice.name,
-            NATIVE_SOURCE,
-            native.name,
-        )
+    log_once(
+        logging.INFO,
+        ("precedence", choice.name, choice.source, native.name),
+        "MLA prefill backend: %s=%s takes precedence over %s=%s (the add-on's choice wins; unset "
+        "one of them to silence this).",
+        choice.source,
+        choice.name,
+        NATIVE_SOURCE,
+        native.name,
+    )
 
 
 def make_get_wrapper(shape: Shape) -> Any:
@@ -117,12 +96,12 @@ def make_get_wrapper(shape: Shape) -> Any:
         from mla_prefill_ext import registry, selector, settings
 
         vllm_config = _config_arg(args, kwargs)
-        registration.sync(shape)
+        vllm_registry_sync.sync(shape)
         choice = addon_choice(vllm_config)
         native = native_choice(vllm_config)
         if choice is not None:
             _log_precedence(choice, native)
-        elif native is not None and registration.is_ours(native):
+        elif native is not None and vllm_registry_sync.is_ours(native):
             choice = settings.Choice(native.name, NATIVE_SOURCE, True)
         else:
             return wrapped(*args, **kwargs)
@@ -141,7 +120,7 @@ def make_get_wrapper(shape: Shape) -> Any:
 def _claimed(shape: Shape, capability: Any, config: Any, native_name: str | None, generation: int) -> Any:
     """The first claimed backend that goes before vLLM's pick and can serve (None: none)."""
     from mla_prefill_ext import selector
-    from mla_prefill_ext.bridge.adapter import adapter_class
+    from mla_prefill_ext.hosts.vllm_0_23.adapter import adapter_class
 
     for member, claim in selector.claims(capability):
         if native_name is not None and claim.before != native_name:
@@ -154,7 +133,7 @@ def _claimed(shape: Shape, capability: Any, config: Any, native_name: str | None
                 member.name,
                 ", ".join(claim.capabilities),
                 claim.before,
-                _vllm_version(),
+                installed_vllm_version(),
             )
             return adapter_class(member.name, shape)
     return None
@@ -165,7 +144,7 @@ def make_auto_wrapper(shape: Shape) -> Any:
 
     def auto_select(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         from mla_prefill_ext import registry, selector
-        from mla_prefill_ext.bridge.adapter import adapter_class, addon_selector_config
+        from mla_prefill_ext.hosts.vllm_0_23.adapter import adapter_class, addon_selector_config
 
         vllm_config_selector = kwargs.get("selector_config", args[-1] if args else None)
         if shape.auto_takes_capability:
@@ -173,7 +152,7 @@ def make_auto_wrapper(shape: Shape) -> Any:
         else:
             capability = selector.current_device_capability()
         config = addon_selector_config(vllm_config_selector)
-        registration.sync(shape)
+        vllm_registry_sync.sync(shape)
         generation = registry.generation()
         try:
             native = wrapped(*args, **kwargs)
@@ -193,12 +172,12 @@ def make_auto_wrapper(shape: Shape) -> Any:
             raise ValueError(
                 f"{failure} mla-prefill-ext's portable TORCH_SDPA cannot serve either: {'; '.join(reasons)}"
             ) from None
-        if _once(("fallback", capability, config)):
+        if first_time(("fallback", capability, config)):
             logger.warning(
                 "vLLM %s found no MLA prefill backend for this configuration (%s); mla-prefill-ext's "
                 "portable TORCH_SDPA serves it (the slow path). vLLM's reasons: %s",
-                _vllm_version(),
-                _describe(capability, config),
+                installed_vllm_version(),
+                selector.describe(capability, config),
                 failure,
             )
         return adapter_class("TORCH_SDPA", shape)
@@ -209,5 +188,3 @@ def make_auto_wrapper(shape: Shape) -> Any:
 def clear_caches() -> None:
     _select.cache_clear()
     _claimed.cache_clear()
-    with _LOCK:
-        _logged.clear()

@@ -1,6 +1,6 @@
 """The MLA patch set: vLLM 0.20's MLA layer, impl and metadata builder run the selected backend.
 
-Patching is all or none (:class:`~mla_prefill_ext.patches.instrumentor.Instrumentor`):
+Patching is all or none (:class:`~mla_prefill_ext.hosts.core.instrumentor.Instrumentor`):
 on an unsupported vLLM, or when any target is missing or shaped differently, nothing
 is wrapped, one line says why, and vLLM runs as stock. When the user explicitly chose a
 backend and the patch cannot honour it, :func:`instrument` raises instead, so that the
@@ -13,34 +13,23 @@ import logging
 from types import ModuleType
 from typing import Any
 
-import wrapt
-
+from mla_prefill_ext import versions
 from mla_prefill_ext._logging import logger
+from mla_prefill_ext.hosts.core import refusal
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
+from mla_prefill_ext.hosts.core.stock_guard import LAYER_INIT, STOCK_GUARD
+from mla_prefill_ext.hosts.vllm_0_20.hooks import builder, dispatch, layer
+from mla_prefill_ext.hosts.vllm_0_20.targets import (
+    PREFILL_CHOICE_FUNCTIONS,
+    QUERY_QUANT_FUNCTION,
+    inspect_targets,
+)
 from mla_prefill_ext.mla_layers import MLA_MODULE
-from mla_prefill_ext.patches.hooks import builder, dispatch, layer
-from mla_prefill_ext.patches.instrumentor import Instrumentor
-from mla_prefill_ext.patches.scope import current_explicit_choice
-from mla_prefill_ext.patches.targets import PREFILL_CHOICE_FUNCTIONS, QUERY_QUANT_FUNCTION, inspect_targets
-
-LAYER_INIT = "MLAAttention.__init__"
-
-
-def _explicit_choice() -> str | None:
-    """The user's explicit backend choice visible in this process, if any."""
-    choice = current_explicit_choice()
-    return f"{choice.source}={choice.name}" if choice else None
 
 
 def refuse_if_explicit(reason: str) -> None:
-    """Raise when the user explicitly chose a backend that cannot be honoured."""
-    choice = _explicit_choice()
-    if choice:
-        from mla_prefill_ext.versions import SUPPORTED_TEXT
-
-        raise RuntimeError(
-            f"mla-prefill-ext cannot honour {choice}: {reason}. Unset it to run vLLM's "
-            f"stock MLA prefill, or install a supported vLLM ({SUPPORTED_TEXT})."
-        )
+    """Raise when the user explicitly chose a backend that cannot be honoured (the core's refusal)."""
+    refusal.refuse_if_explicit(reason)
 
 
 class MLAInstrumentor(Instrumentor):
@@ -62,8 +51,9 @@ class MLAInstrumentor(Instrumentor):
         return table
 
     def check(self, module: ModuleType) -> str | None:
-        reason = super().check(module)
         state = self._state
+        state.vllm_version = versions.installed_vllm_version()
+        reason = versions.unsupported_reason(versions.PATCH, state.vllm_version)
         state.targets = inspect_targets(module)
         if reason is None:
             bad = [f"{t.path} {t.problem}" for t in state.targets if not t.ok]
@@ -72,29 +62,16 @@ class MLAInstrumentor(Instrumentor):
         return reason
 
     def skip(self, reason: str, module: ModuleType | None = None) -> None:
-        """Leave vLLM stock: say why once, and refuse an explicit choice.
+        """Leave vLLM stock: say why once, and refuse an explicit choice (the core's stock guard).
 
         An environment choice is refused at once. A choice in ``additional_config`` is
         only visible once an engine's configuration is current, so when the MLA module is
         at hand a guard on ``MLAAttention.__init__`` refuses it as the first MLA layer is
         built, and otherwise lets vLLM run untouched.
         """
-        state = self._state
         with self._lock:
-            if reason != state.skipped_reason and _explicit_choice() is None:
-                logger.warning(
-                    "mla-prefill-ext is not patching vLLM (%s); vLLM runs its stock MLA prefill.",
-                    reason,
-                )
-            state.skipped_reason = reason
-            if module is not None and state.guard is None:
-                try:
-                    state.guard = wrapt.wrap_function_wrapper(
-                        module, LAYER_INIT, layer.make_explicit_choice_guard(reason, refuse_if_explicit)
-                    )
-                except (AttributeError, wrapt.PathResolutionError):
-                    pass  # no MLA layer class at all: nothing can ask for a prefill backend
-        refuse_if_explicit(reason)
+            self._state.skipped_reason = reason
+        STOCK_GUARD.arm(reason, module)
 
     def on_instrumented(self, module: ModuleType) -> None:
         logging.getLogger(MLA_MODULE).addFilter(self._log_filter)
@@ -106,9 +83,7 @@ class MLAInstrumentor(Instrumentor):
         Layers built while the patch was in place keep their backend.
         """
         with self._lock:
-            if self._state.guard is not None:
-                wrapt.unwrap_object(module, LAYER_INIT, self._state.guard, missing_ok=True)
-                self._state.guard = None
+            STOCK_GUARD.disarm(module)
             super().uninstrument(module)
 
     def on_uninstrumented(self, module: ModuleType) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from types import ModuleType
+from typing import Any
 
-
-class BridgeReport(NamedTuple):
-    info: dict[str, Any]
-    lines: list[str]
-    problems: list[str]
+from mla_prefill_ext.hosts.core.report import HostReport
 
 
 def _native_pick(shape: Any) -> tuple[str | None, str | None]:
     """What vLLM's own selector (bridged) picks here for a bfloat16 model with R1 dims, or why none."""
     import torch
 
-    from mla_prefill_ext.backends.base import R1_MLA_DIMS
     from mla_prefill_ext.selector import current_device_capability
+    from mla_prefill_ext.value_types import R1_MLA_DIMS
 
     config_cls = shape.selector.MLAPrefillSelectorConfig
     if shape.mla_dimensions is not None:
@@ -39,11 +36,11 @@ def _native_pick(shape: Any) -> tuple[str | None, str | None]:
     return cls.get_name(), None
 
 
-def bridge_report() -> BridgeReport:
+def host_report(mla_module: ModuleType | None = None) -> HostReport:
     """The bridge's state, vLLM's registry as it stands, and vLLM's automatic pick here."""
-    from mla_prefill_ext.bridge import instrumentor, registration
+    from mla_prefill_ext.hosts.vllm_0_23 import bridge, vllm_registry_sync
 
-    state = instrumentor.state()
+    state = bridge.state()
     shape = state.shape
     info: dict[str, Any] = {
         "instrumented": state.instrumented,
@@ -57,7 +54,7 @@ def bridge_report() -> BridgeReport:
     if state.problem is not None:
         problems.append(f"The add-on does not bridge this vLLM: {state.problem}.")
     if shape is None:
-        return BridgeReport(info, ["bridge: not in place (see the findings)"], problems)
+        return HostReport(False, None, [], info, ["bridge: not in place (see the findings)"], problems)
     info["shape"] = {
         "context_chunks": "chunk objects (0.29+)" if shape.chunk_api == "object" else "by index (0.23-0.27)",
         "mla_dims": "supported_mla_dimensions"
@@ -80,7 +77,7 @@ def bridge_report() -> BridgeReport:
             path = member.get_path()
         except ValueError:
             path = None
-        mine = registration.is_ours(member)
+        mine = vllm_registry_sync.is_ours(member)
         if mine:
             ours.add(name)
         info["registry"].append({"name": name, "class_path": path, "addon": mine})
@@ -92,4 +89,4 @@ def bridge_report() -> BridgeReport:
         lines.append(f"  vLLM's automatic pick here, for a bfloat16 model with DeepSeek-R1 dims: {pick}")
     else:
         lines.append(f"  vLLM's automatic pick here: none ({error})")
-    return BridgeReport(info, lines, problems)
+    return HostReport(bool(state.instrumented), None, [], info, lines, problems)

@@ -1,4 +1,4 @@
-"""The adapter classes, by backend name: ``mla_prefill_ext.bridge.adapters.NAME``.
+"""The adapter classes, by backend name: ``mla_prefill_ext.hosts.vllm_0_23.adapter_classes.NAME``.
 
 This is the module vLLM's registry points at for an add-on backend. An attribute is
 made on first access in each process (vLLM's ``resolve_obj_by_qualname``, or pickle
@@ -15,12 +15,11 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    from mla_prefill_ext import discovery
-    from mla_prefill_ext.bridge import shape
-    from mla_prefill_ext.bridge.adapter import adapter_class
-    from mla_prefill_ext.registry import MLAPrefillBackendEnum
+    from mla_prefill_ext.hosts.vllm_0_23 import shape
+    from mla_prefill_ext.hosts.vllm_0_23.adapter import adapter_class
+    from mla_prefill_ext.registry import MLAPrefillBackendEnum, discover_installed
 
-    discovery.discover()  # installed backend packages are names too
+    discover_installed()  # installed backend packages are names too
     if name not in MLAPrefillBackendEnum.__members__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}: no MLA prefill backend {name}")
     found, problems = shape.current()

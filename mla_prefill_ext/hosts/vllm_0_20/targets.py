@@ -1,7 +1,7 @@
 """The patch targets in vLLM 0.20.x and the shape each must have to be patched.
 
 A target that is missing or shaped differently means vLLM changed under us:
-then nothing is patched at all (see :mod:`mla_prefill_ext.patches`).
+then nothing is patched at all (see :mod:`mla_prefill_ext.hosts.vllm_0_20`).
 """
 
 from __future__ import annotations

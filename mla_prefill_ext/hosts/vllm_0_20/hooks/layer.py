@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 from typing import Any
 
-from mla_prefill_ext._logging import logger
-from mla_prefill_ext.patches.hooks.dispatch import bind_impl_to_backend
-from mla_prefill_ext.patches.scope import current_explicit_choice
-
-
-def make_explicit_choice_guard(reason: str, refuse: Any) -> Any:
-    """MLAAttention.__init__ when the patch could not land: refuse explicit choices only."""
-
-    def guard(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        refuse(reason)  # raises when the configuration being built asks for a backend
-        wrapped(*args, **kwargs)
-
-    return guard
+from mla_prefill_ext._logging import log_once, logger
+from mla_prefill_ext.hosts.core.refusal import explicit_choice
+from mla_prefill_ext.hosts.vllm_0_20.hooks.dispatch import bind_impl_to_backend
 
 
 def _unavailable_flash_attn(*args: Any, **kwargs: Any) -> Any:
@@ -27,18 +18,13 @@ def _unavailable_flash_attn(*args: Any, **kwargs: Any) -> Any:
     )
 
 
-_LOGGED_STOCK_REASONS: set[str] = set()
-
-
 def make_impl_init_wrapper(mla_module: ModuleType) -> Any:
     """MLACommonImpl.__init__: vLLM's own, then its prefill hooks routed to the layer's backend."""
 
     def impl_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        from mla_prefill_ext.patches.scope import stock_reason
+        from mla_prefill_ext.hosts.vllm_0_20.scope import stock_reason
 
-        reason = stock_reason(
-            instance, mla_module.MLACommonImpl, explicit=current_explicit_choice() is not None
-        )
+        reason = stock_reason(instance, mla_module.MLACommonImpl, explicit=explicit_choice() is not None)
         if reason is not None:
             instance._mla_prefill_stock_reason = reason
             wrapped(*args, **kwargs)
@@ -66,8 +52,8 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     from vllm.config import get_current_vllm_config
 
     from mla_prefill_ext import settings
+    from mla_prefill_ext.hosts.vllm_0_20.legacy_flags import backend_for
     from mla_prefill_ext.mla_layers import mla_layer_hyperparameters
-    from mla_prefill_ext.patches.legacy_flags import backend_for
 
     vllm_config = get_current_vllm_config()
     refuse_if_settings_differ(vllm_config)
@@ -76,13 +62,13 @@ def layer_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     stock = getattr(impl, "_mla_prefill_stock_reason", None)
     if stock is not None:
         layer.prefill_backend = None
-        if stock not in _LOGGED_STOCK_REASONS:
-            _LOGGED_STOCK_REASONS.add(stock)
-            logger.info(
-                "mla-prefill-ext leaves vLLM's own MLA prefill in place: %s. Set %s to choose a backend.",
-                stock,
-                settings.BACKEND_ENV,
-            )
+        log_once(
+            logging.INFO,
+            ("stock", stock),
+            "mla-prefill-ext leaves vLLM's own MLA prefill in place: %s. Set %s to choose a backend.",
+            stock,
+            settings.BACKEND_ENV,
+        )
         return
     backend_cls = backend_for(vllm_config)
     backend = backend_cls(

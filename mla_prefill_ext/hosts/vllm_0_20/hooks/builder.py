@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mla_prefill_ext.hosts.core.builder_lifecycle import builder_runner
+
 
 def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
@@ -41,10 +43,9 @@ def _runners(builder: Any) -> dict[Any, Any] | None:
         backend = getattr(layer, "prefill_backend", None)
         if backend is not None and backend.step_key not in runners:
             # Kernels built or loaded now, at engine start, not on a first request (once per process).
-            backend.warm_up(builder.device, builder.q_data_type, builder.model_config.dtype)
-            runner = backend.clone()
-            runner.reserve_workspace(builder.device)
-            runners[backend.step_key] = runner
+            runners[backend.step_key] = builder_runner(
+                backend, builder.device, builder.q_data_type, builder.model_config.dtype
+            )
     builder._mla_prefill_runners = runners
     return runners
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from mla_prefill_ext.patches.instrumentor import Instrumentor
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 
 TARGET = "EngineArgs.create_engine_config"
 
@@ -32,6 +32,12 @@ def stamp_settings(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 class EngineConfigInstrumentor(Instrumentor):
     """Wraps ``EngineArgs.create_engine_config``; where it cannot, vLLM runs without the stamp."""
+
+    def check(self, module: ModuleType) -> str | None:
+        from mla_prefill_ext import versions
+
+        self._state.vllm_version = versions.installed_vllm_version()
+        return versions.unsupported_reason(versions.PATCH, self._state.vllm_version)
 
     def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
         return [(TARGET, stamp_settings)]

@@ -1,13 +1,14 @@
-"""The vLLM 0.20.x host: the only code that knows vLLM's internals.
+"""The vLLM 0.20.x host: the patch of vLLM's MLA layer (and, on 0.21-0.22, only its explicit-choice guard).
 
-Two patch sets, each one :class:`~.instrumentor.Instrumentor` (symmetric, idempotent,
-all or none), listed once in :data:`PATCH_SETS` with the vLLM module each patches:
-``mla`` (the MLA layer, impl and metadata builder, through ``hooks/``) and
-``engine_config`` (the settings stamped into the engine configuration). Beside them:
-``version`` (the vLLM versions supported), ``targets`` (what the MLA patch wraps and the
-shape each must have), ``scope`` (where the add-on takes over), ``legacy_flags`` (vLLM
-0.20's own prefill flags, read as a choice for the selector). vLLM's MLA layers are read
-by :mod:`mla_prefill_ext.mla_layers`, shared with the bridge.
+Two patch sets, each one :class:`~mla_prefill_ext.hosts.core.instrumentor.Instrumentor`
+(symmetric, idempotent, all or none), listed once in :data:`PATCH_SETS` with the vLLM
+module each patches: ``mla`` (the MLA layer, impl and metadata builder, through
+``hooks/``) and ``engine_config`` (the settings stamped into the engine configuration).
+Beside them: ``targets`` (what the MLA patch wraps and the shape each must have),
+``scope`` (where the add-on takes over), ``legacy_flags`` (vLLM 0.20's own prefill flags,
+read as a choice for the selector), ``report`` (what ``info`` shows). The supported
+versions are :mod:`mla_prefill_ext.versions`' patch row; vLLM's MLA layers are read by
+:mod:`mla_prefill_ext.mla_layers`, shared with the bridge (``hosts/vllm_0_23``).
 
 None of them loads with the package: activation needs no more than :data:`MLA_MODULE`,
 so a vLLM process that never imports the MLA module (an API server, a model
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from mla_prefill_ext.mla_layers import MLA_MODULE
 
 if TYPE_CHECKING:
-    from mla_prefill_ext.patches.instrumentor import Instrumentor
+    from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 
 ARG_UTILS_MODULE = "vllm.engine.arg_utils"
 
@@ -34,8 +35,6 @@ PATCH_SETS: dict[str, str] = {
 
 # name -> the submodule that defines it: the MLA patch set's API, loaded on first use.
 _LAZY = {
-    "SUPPORTED_VLLM": "version",
-    "PatchState": "instrumentor",
     "instrument": "mla",
     "is_instrumented": "mla",
     "refuse_if_explicit": "mla",
@@ -59,7 +58,7 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule: patches.version, ...
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule: vllm_0_20.mla, ...
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":
             raise

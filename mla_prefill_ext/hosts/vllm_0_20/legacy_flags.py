@@ -12,15 +12,15 @@ selection, with a warning, as vLLM 0.20 itself silently did).
 
 from __future__ import annotations
 
-from functools import lru_cache
+import logging
 from typing import TYPE_CHECKING, Any
 
-from mla_prefill_ext._logging import logger
+from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.settings import BACKEND_ENV, Choice, user_setting
 
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend
-    from mla_prefill_ext.types import Selection
+    from mla_prefill_ext.value_types import Selection
 
 TRTLLM_SOURCE = "legacy attention_config.use_trtllm_ragged_deepseek_prefill"
 FLASHINFER_SOURCE = "legacy attention_config.disable_flashinfer_prefill=False"
@@ -34,22 +34,19 @@ def legacy_choice(vllm_config: Any) -> Choice | None:
     if attention_config is None:
         return None
     if getattr(attention_config, "use_cudnn_prefill", False):
-        _warn_cudnn_once()
+        log_once(
+            logging.WARNING,
+            ("legacy", "use_cudnn_prefill"),
+            "attention_config.use_cudnn_prefill is deprecated and ignored: the cuDNN MLA "
+            "prefill backend was removed (as in later vLLM). Selecting the MLA prefill "
+            "backend automatically; set %s to choose one.",
+            BACKEND_ENV,
+        )
     if getattr(attention_config, "use_trtllm_ragged_deepseek_prefill", False):
         return Choice("TRTLLM_RAGGED", TRTLLM_SOURCE, False)
     if getattr(attention_config, "disable_flashinfer_prefill", True) is False:
         return Choice("FLASHINFER", FLASHINFER_SOURCE, False)
     return None
-
-
-@lru_cache(maxsize=1)
-def _warn_cudnn_once() -> None:
-    logger.warning(
-        "attention_config.use_cudnn_prefill is deprecated and ignored: the cuDNN MLA "
-        "prefill backend was removed (as in later vLLM). Selecting the MLA prefill "
-        "backend automatically; set %s to choose one.",
-        BACKEND_ENV,
-    )
 
 
 def selection_for(vllm_config: Any) -> Selection:

@@ -1,8 +1,8 @@
 """The adapter: an add-on backend as a subclass of vLLM's own ``MLAPrefillBackend``.
 
 One adapter class per backend name, made on demand (:func:`adapter_class`). Its
-``__module__`` is :mod:`mla_prefill_ext.bridge.adapters` and its ``__qualname__`` the
-name, so that ``mla_prefill_ext.bridge.adapters.NAME`` is its class path in vLLM's
+``__module__`` is :mod:`mla_prefill_ext.hosts.vllm_0_23.adapter_classes` and its ``__qualname__`` the
+name, so that ``mla_prefill_ext.hosts.vllm_0_23.adapter_classes.NAME`` is its class path in vLLM's
 registry and pickles by reference into every process (that module makes the class
 on first access there too). The adapter holds an instance of the add-on class
 (``inner``) and maps vLLM's calls onto the add-on's API:
@@ -11,15 +11,17 @@ on first access there too). The adapter holds an instance of the add-on class
   add-on class's own; vLLM's selector config (``mla_dimensions`` from 0.25,
   ``is_r1_compatible`` before) becomes the add-on's ``MLAPrefillSelectorConfig``;
   ``requires_r1_mla_dimensions`` becomes ``supported_mla_dimensions`` on 0.25+.
-* ``clone()`` (vLLM 0.25+'s metadata builder, once per builder): the backend's kernel
-  warm-up, then a clone of the add-on instance whose workspace is reserved at once, as
-  the patched 0.20 builder does, so that both happen before vLLM sizes the KV cache.
+* ``clone()`` (vLLM 0.25+'s metadata builder, once per builder): the builder life cycle
+  of :mod:`mla_prefill_ext.hosts.core.builder_lifecycle`, as the patched 0.20 builder
+  runs it: the kernel warm-up for the query dtype vLLM's builder hands over and the
+  model's dtype, then a clone of the add-on instance whose workspace is reserved at
+  once, both before vLLM sizes the KV cache.
 * ``run_prefill_new_tokens(..., out=, output_scale=)``: ``out`` is filled from the
   add-on's result; a fused output quantization is never asked for
   (``supports_quant_output`` stays vLLM's default, False).
 * context chunks: by index (0.23-0.27) straight through; as vLLM 0.29+'s chunk
   objects with a sliced ``q`` through one prepared view per chunk
-  (:mod:`mla_prefill_ext.bridge.chunks`), which is what the add-on's
+  (:mod:`mla_prefill_ext.hosts.vllm_0_23.chunks`), which is what the add-on's
   ``context_chunks()`` gives a backend: chunk 0 of a step of those requests.
 """
 
@@ -30,15 +32,16 @@ from typing import Any
 
 import torch
 
-from mla_prefill_ext.bridge import chunks, layers
-from mla_prefill_ext.bridge.registration import ADAPTERS_MODULE
-from mla_prefill_ext.bridge.shape import CHUNK_OBJECT, DIMS_LIST, Shape
-from mla_prefill_ext.types import R1_MLA_DIMS
+from mla_prefill_ext.hosts.core.builder_lifecycle import builder_query_dtype, builder_runner
+from mla_prefill_ext.hosts.vllm_0_23 import chunks, layers
+from mla_prefill_ext.hosts.vllm_0_23.shape import CHUNK_OBJECT, DIMS_LIST, Shape
+from mla_prefill_ext.hosts.vllm_0_23.vllm_registry_sync import ADAPTERS_MODULE
+from mla_prefill_ext.value_types import R1_MLA_DIMS
 
 
 def addon_selector_config(vllm_selector_config: Any) -> Any:
     """vLLM's ``MLAPrefillSelectorConfig`` (either shape) as the add-on's."""
-    from mla_prefill_ext.types import MLAPrefillSelectorConfig
+    from mla_prefill_ext.value_types import MLAPrefillSelectorConfig
 
     dims = getattr(vllm_selector_config, "mla_dimensions", None)
     if dims is not None:
@@ -123,10 +126,13 @@ class _Adapter:
         device = _device(self.vllm_config)
         dtype = getattr(getattr(self.vllm_config, "model_config", None), "dtype", None)
         if isinstance(dtype, torch.dtype):
-            self.inner.warm_up(device, dtype, dtype)  # once per process and configuration
+            q_dtype = builder_query_dtype(self.vllm_config, dtype)
+            inner = builder_runner(self.inner, device, q_dtype, dtype)
+        else:  # no model dtype to warm up for (a configuration built by hand)
+            inner = self.inner.clone()
+            inner.reserve_workspace(device)
         twin._prefill_metadata = None
-        twin._set_inner(self.inner.clone())
-        twin.inner.reserve_workspace(device)
+        twin._set_inner(inner)
         return twin
 
     def prepare_metadata(self, prefill_metadata: Any) -> None:

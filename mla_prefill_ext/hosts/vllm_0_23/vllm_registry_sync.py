@@ -23,13 +23,15 @@ and :func:`sync` copies it into vLLM's there, whenever it changed:
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
-from mla_prefill_ext._logging import logger
-from mla_prefill_ext.bridge.shape import Shape
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.vllm_0_23.shape import Shape
+from mla_prefill_ext.versions import installed_vllm_version
 
-ADAPTERS_MODULE = "mla_prefill_ext.bridge.adapters"
+ADAPTERS_MODULE = "mla_prefill_ext.hosts.vllm_0_23.adapter_classes"
 
 
 def adapter_path(name: str) -> str:
@@ -41,19 +43,10 @@ _LOCK = threading.RLock()
 _OURS: set[str] = set()  # names this process added to vLLM's enum
 _custom_set = False  # vLLM's CUSTOM points at the add-on's CUSTOM adapter because of us
 _synced_generation: int | None = None
-_warned: set[tuple[str, str]] = set()
 
 
 def _warn_once(key: tuple[str, str], message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
-def _vllm_version() -> str:
-    from mla_prefill_ext.versions import installed_vllm_version
-
-    return installed_vllm_version() or "?"
+    log_once(logging.WARNING, ("vllm registry", *key), message, *args)
 
 
 def is_ours(member: Any) -> bool:
@@ -72,7 +65,7 @@ def native_names(shape: Shape) -> list[str]:
 
 def _restore_member(name: str) -> Any:
     """Unpickle a string-registered member: register it in this process first if needed."""
-    from mla_prefill_ext.bridge import shape as shape_module
+    from mla_prefill_ext.hosts.vllm_0_23 import shape as shape_module
 
     found, problems = shape_module.current()
     if found is None:
@@ -113,7 +106,7 @@ def _sync_custom(shape: Shape, addon_custom: bool) -> None:
             "vLLM %s's CUSTOM MLA prefill backend is registered through vLLM's own API (%s): "
             "attention_config.mla_prefill_backend=CUSTOM selects that one, MLA_PREFILL_BACKEND=CUSTOM "
             "the one registered with mla-prefill-ext. Register only one of them to avoid the confusion.",
-            _vllm_version(),
+            installed_vllm_version(),
             custom.get_path(),
         )
     elif _custom_set and is_ours(custom):
@@ -122,7 +115,7 @@ def _sync_custom(shape: Shape, addon_custom: bool) -> None:
 
 
 def _sync_name(shape: Shape, name: str, builtin: bool, native: list[str]) -> None:
-    version = _vllm_version()
+    version = installed_vllm_version()
     if name in native:
         if not builtin:
             _warn_once(
@@ -171,12 +164,12 @@ def _sync_name(shape: Shape, name: str, builtin: bool, native: list[str]) -> Non
 def sync(shape: Shape, force: bool = False) -> None:
     """Copy the add-on's registrations into vLLM's registry (a no-op when nothing changed)."""
     global _synced_generation
-    from mla_prefill_ext import discovery, registry
+    from mla_prefill_ext import registry
 
     if shape.string_names or _synced_generation is not None:
         # Installed packages are names too. Before vLLM 0.33 none of them can enter vLLM's registry,
         # so a process that never selects (an API server) skips reading package metadata at start.
-        discovery.discover()
+        registry.discover_installed()
     with _LOCK:
         generation = registry.generation()
         if generation == _synced_generation and not force:

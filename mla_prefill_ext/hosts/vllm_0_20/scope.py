@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from mla_prefill_ext.hosts.core.platform import platform_reason
+
 # MLACommonImpl's prefill methods: a subclass that re-implements one of them runs its own kernel.
 PREFILL_METHODS = (
     "forward_mha",
@@ -35,18 +37,6 @@ PREFILL_METHODS = (
     "_run_prefill_context_chunk_cudnn",
     "_run_prefill_context_chunk_trtllm_ragged",
 )
-
-
-def platform_reason() -> str | None:
-    """Why this process's platform keeps vLLM's stock MLA prefill (None: the add-on serves it)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda() or current_platform.is_cpu() or current_platform.is_unspecified():
-        return None
-    return (
-        f"platform {type(current_platform).__name__} has its own MLA prefill kernels in "
-        "vLLM; the add-on's backends are verified on CUDA only"
-    )
 
 
 @functools.cache
@@ -77,16 +67,3 @@ def stock_reason(impl: Any, common_impl: type, explicit: bool) -> str | None:
     if method is not None:
         return f"{type(impl).__name__} brings its own prefill kernel ({method})"
     return None
-
-
-def current_explicit_choice() -> Any:
-    """The user's explicit choice for the engine configuration being built here (or None)."""
-    from mla_prefill_ext import settings
-
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        config = get_current_vllm_config_or_none()
-    except ImportError:
-        config = None
-    return settings.explicit_choice(getattr(config, "additional_config", None))

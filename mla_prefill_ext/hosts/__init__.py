@@ -1,0 +1,37 @@
+"""The hosts: how the add-on enters vLLM, one package per vLLM line, on one shared core.
+
+* :mod:`~mla_prefill_ext.hosts.core`: what both hosts do, on every vLLM (refusing an
+  explicit choice the add-on cannot honour, the instrumentor, the builder life cycle).
+* :mod:`~mla_prefill_ext.hosts.vllm_0_20`: vLLM 0.20.x, patches vLLM's MLA layer. On
+  0.21-0.22 the add-on does nothing but the core's explicit-choice guard
+  (:mod:`~mla_prefill_ext.hosts.core.stock_guard`).
+* :mod:`~mla_prefill_ext.hosts.vllm_0_23`: vLLM 0.23 and later, bridges the add-on's
+  backends into vLLM's own MLA prefill registry.
+
+The two hosts import nothing from each other; the core imports neither. Code outside the
+hosts that reports on them (the CLI) asks :func:`host_report` here, never a host's modules.
+Importing this package loads nothing else: activation reads it in every vLLM process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+PATCH_HOST = f"{__name__}.vllm_0_20"
+BRIDGE_HOST = f"{__name__}.vllm_0_23"
+STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
+
+__all__ = ["BRIDGE_HOST", "PATCH_HOST", "STOCK_GUARD_MODULE", "host_report"]
+
+
+def host_report(mode: str, mla_module: Any = None) -> Any:
+    """What the host in force for ``mode`` (``versions.PATCH``, ``BRIDGE`` or ``NONE``) reports.
+
+    A :class:`~mla_prefill_ext.hosts.core.report.HostReport`; in mode ``none`` the patch
+    host's report says what its targets would be and why nothing is patched.
+    """
+    from mla_prefill_ext import versions
+
+    host = BRIDGE_HOST if mode == versions.BRIDGE else PATCH_HOST
+    return importlib.import_module(f"{host}.report").host_report(mla_module)
