@@ -33,7 +33,7 @@ from mla_prefill_ext import __version__
 from mla_prefill_ext.cli import build_parser
 from mla_prefill_ext.versions import INSTALL_SPEC, SUPPORTED_TEXT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED = SUPPORTED_TEXT
 
 SITECUSTOMIZE = '''
@@ -264,10 +264,10 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "info_rivals_json": (["info", "--json"], {}),
     "select_rivals": (["select", "--capability", "cpu"], {}),
 }
-# Extra PYTHONPATH entries per run: installed packages (in the harness), the mutants (tests/).
+# Extra PYTHONPATH entries per run: installed packages (in the harness), the mutants (tests/helpers/).
 SLOW_RUN_PATHS: dict[str, list[str]] = {
     "info_bad_settings": ["packages", "claim_packages"],  # this user also installed packages
-    "conformance_mutant": [str(ROOT / "tests")],
+    "conformance_mutant": [str(ROOT / "tests" / "helpers")],
     "conformance_claim_json": ["claim_packages"],
     "info_claim": ["claim_packages"],
     "select_claim": ["claim_packages"],

@@ -25,7 +25,7 @@ import pytest
 
 PACKAGE = "mla_prefill_ext"
 FORBIDDEN = f"{PACKAGE}.patches"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 BACKENDS = ROOT / "backends"
 
 
@@ -202,7 +202,7 @@ def test_dependency_direction(rule: Rule, module: str, path: Path):
 # Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never
 # on the test suite: tests/ is not installed, and a script reaching into it ties the benchmarks to the
 # suite's private helpers and to sys.path tricks.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO_ROOT / "scripts"
 TESTS_DIR = REPO_ROOT / "tests"
 

@@ -28,7 +28,7 @@ from mla_prefill_ext.testing import vllm_host as host
 
 pytestmark = pytest.mark.vllm_bridge
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged,
 
 
 def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_selection, site, model_dirs):
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
@@ -285,7 +285,7 @@ def test_automatic_selection_falls_back_to_torch_sdpa_where_vllm_finds_none(
 def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
     bridged, clean_selection, site, model_dirs
 ):
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
@@ -319,7 +319,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
 
 def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_selection, site, model_dirs):
     """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import discovery
 
@@ -348,13 +348,13 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
 
 @contextlib.contextmanager
 def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
-    """test_layer.cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
+    """mla_layer_on_cpu.cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
 
     Pinning needs a CUDA driver: vLLM 0.25's builder pins ``torch.empty`` host tensors (as
     ``torch.zeros``, which cpu_kernels already covers), and 0.29+ builds its chunk metadata
     with ``pin_memory=PIN_MEMORY``, a constant read from the platform at import (True here).
     """
-    from test_layer import cpu_kernels
+    from mla_layer_on_cpu import cpu_kernels
     from vllm.utils import torch_utils
 
     empty = torch.empty
@@ -380,11 +380,11 @@ def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     takes several chunks (0.29+: one of them a continuation of A's split context). Returns
     each step's error relative to a float64 reference over each whole sequence.
     """
-    from test_layer import CHUNK_WORKSPACE, SeededRequests, make_builder, recording
+    from mla_layer_on_cpu import CHUNK_WORKSPACE, SeededRequests, make_builder, recording
     from vllm.config import set_current_vllm_config
 
     mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
-    builder = make_builder(cfg, layer, None)
+    builder = make_builder(cfg, [layer], None)
     builder.chunked_prefill_workspace_size = CHUNK_WORKSPACE
     impl = layer.impl
     steps = [([37, 20], [0, 0]), ([9, 5, 7], [37, 20, 0])]
@@ -420,7 +420,7 @@ def build_layer(cfg: Any) -> Any:
 
 def test_an_addon_backend_runs_through_vllms_own_forward_mha(bridged, clean_selection, model_dirs):
     """TORCH_SDPA, chosen by the environment alone, inside vLLM's layer, builder and forward_mha."""
-    from test_layer import TOLERANCE
+    from mla_layer_on_cpu import TOLERANCE
 
     from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 
@@ -445,11 +445,11 @@ def test_an_addon_backend_runs_through_vllms_own_forward_mha(bridged, clean_sele
 @pytest.mark.parametrize("mutant", ["SdpaScaleOffBackend", "SdpaBase2LseBackend"])
 def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_selection, model_dirs, mutant):
     """The check above fails a backend with the scale 2% off or the LSE in base 2 (as CUSTOM)."""
-    from test_layer import TOLERANCE
+    from mla_layer_on_cpu import TOLERANCE
 
     from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
 
-    clean_selection.syspath_prepend(str(Path(__file__).parent / "gpu"))
+    clean_selection.syspath_prepend(str(ROOT / "tests" / "gpu"))
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
     clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
     cfg = host.make_vllm_config(model_dirs["yarn"])
@@ -465,7 +465,7 @@ def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_s
 
 def run_child(code: str, **env: str) -> str:
     """A fresh interpreter (as vLLM's spawned engine core), this checkout first on its path."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])}
     for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES", "MLA_PREFILL_EXT_DISABLE"):
         if name not in env:
             full.pop(name, None)
@@ -555,7 +555,7 @@ def test_conformance_runs_through_the_installed_vllms_calling_convention(bridged
     report = run_conformance("TORCH_SDPA", dtype="bfloat16")
     assert report.ok, report.format()
     # The same suite through the same convention catches a base-2 LSE and attention across sequences.
-    clean_selection.syspath_prepend(str(Path(__file__).parent))
+    clean_selection.syspath_prepend(str(ROOT / "tests" / "helpers"))
     for mutant, prop in (("Base2LSE", "lse.natural_log"), ("CrossSequence", "varlen.isolation")):
         report = run_conformance(f"conformance_mutants.{mutant}", dtype="bfloat16")
         assert prop in report.failed_properties, report.format()
