@@ -210,3 +210,27 @@ class SeededRequests:
             self.q[r][start:end].double(), k, kv[..., nope:], self.layer.scale, causal=True
         )
         return out
+
+
+@contextlib.contextmanager
+def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
+    """cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
+
+    Pinning needs a CUDA driver: vLLM 0.25's builder pins ``torch.empty`` host tensors (as
+    ``torch.zeros``, which cpu_kernels already covers), and 0.29+ builds its chunk metadata
+    with ``pin_memory=PIN_MEMORY``, a constant read from the platform at import (True here).
+    """
+    from vllm.utils import torch_utils
+
+    empty = torch.empty
+
+    def empty_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return empty(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_kernels(mla_module))
+        stack.enter_context(mock.patch.object(torch, "empty", empty_unpinned))
+        for module in (mla_module, torch_utils):
+            if hasattr(module, "PIN_MEMORY"):
+                stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
+        yield

@@ -7,7 +7,6 @@ patched (``host.gpu_view``), and vLLM's own classes stay real.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -15,10 +14,8 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -29,33 +26,6 @@ from mla_prefill_ext.testing import vllm_host as host
 pytestmark = pytest.mark.vllm_bridge
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-def bridged(clean_selection: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The add-on activated (bridge mode) with no choice or registration; the shape it found."""
-    import mla_prefill_ext
-    from mla_prefill_ext import bridge
-    from mla_prefill_ext.bridge import selection
-
-    mla_prefill_ext.activate()
-    importlib.import_module(bridge.PREFILL_PACKAGE)  # the bridge lands when vLLM's selector is imported
-    assert bridge.is_instrumented(), bridge.state().problem
-    shape = bridge.state().shape
-    shape.selector._auto_select_mla_prefill_backend.cache_clear()  # vLLM's own cache of its picks
-    yield shape
-    shape.selector._auto_select_mla_prefill_backend.cache_clear()
-    selection.clear_caches()
-
-
-@pytest.fixture
-def info_log(addon_log: list[logging.LogRecord]) -> Iterator[list[logging.LogRecord]]:
-    """The add-on's records down to INFO (the tests run vLLM's loggers at WARNING)."""
-    logger = logging.getLogger("vllm.mla_prefill_ext")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield addon_log
-    logger.setLevel(level)
 
 
 def config(model_dir: Path | None = None, **kwargs: Any) -> Any:
@@ -346,31 +316,6 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
 # vLLM's own MLA layer, metadata builder and forward_mha, on the CPU, through an add-on backend.
 
 
-@contextlib.contextmanager
-def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
-    """mla_layer_on_cpu.cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
-
-    Pinning needs a CUDA driver: vLLM 0.25's builder pins ``torch.empty`` host tensors (as
-    ``torch.zeros``, which cpu_kernels already covers), and 0.29+ builds its chunk metadata
-    with ``pin_memory=PIN_MEMORY``, a constant read from the platform at import (True here).
-    """
-    from mla_layer_on_cpu import cpu_kernels
-    from vllm.utils import torch_utils
-
-    empty = torch.empty
-
-    def empty_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return empty(*args, **kwargs)
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(cpu_kernels(mla_module))
-        stack.enter_context(mock.patch.object(torch, "empty", empty_unpinned))
-        for module in (mla_module, torch_utils):
-            if hasattr(module, "PIN_MEMORY"):
-                stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
-        yield
-
-
 def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     """Two prefill steps through vLLM's builder and forward_mha; the second over cached context.
 
@@ -380,7 +325,7 @@ def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     takes several chunks (0.29+: one of them a continuation of A's split context). Returns
     each step's error relative to a float64 reference over each whole sequence.
     """
-    from mla_layer_on_cpu import CHUNK_WORKSPACE, SeededRequests, make_builder, recording
+    from mla_layer_on_cpu import CHUNK_WORKSPACE, SeededRequests, cpu_step_kernels, make_builder, recording
     from vllm.config import set_current_vllm_config
 
     mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
