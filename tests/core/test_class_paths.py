@@ -44,12 +44,16 @@ def test_a_path_to_nothing_says_what_is_missing(path, says):
 
 
 def test_a_module_that_fails_to_import_is_not_reported_as_missing(site):
-    """Its own missing dependency is the error, not the backend's path (no walking up to a parent)."""
-    (site / "fakepkg_needs_a_library.py").write_text("import fakepkg_library_not_installed\n")
+    """Its own missing dependency is the error, not the backend's path (no walking up to its package)."""
+    (site / "fakepkg_backends").mkdir()
+    (site / "fakepkg_backends" / "__init__.py").write_text("")
+    (site / "fakepkg_backends" / "needs_a_library.py").write_text("import fakepkg_library_not_installed\n")
     with pytest.raises(ImportError) as info:
-        class_paths.load_backend_class("fakepkg_needs_a_library.Backend", "MINE")
+        class_paths.load_backend_class("fakepkg_backends.needs_a_library.Backend", "MINE")
     message = str(info.value)
-    assert message.startswith("MLA prefill backend MINE: cannot import 'fakepkg_needs_a_library.Backend': ")
+    assert message.startswith(
+        "MLA prefill backend MINE: cannot import 'fakepkg_backends.needs_a_library.Backend': "
+    )
     assert "fakepkg_library_not_installed" in message
 
 
