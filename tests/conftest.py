@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The shared helpers (tests/helpers/) import by bare module name, here and in the processes tests start.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 # Quiet vLLM's import-time chatter; the add-on's own lines are WARNING and up in these tests.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from logs import warnings_in
-from test_selector import config, device
+from platform_views import device
+from vllm_configs import config
 
 from mla_prefill_ext import _logging, selector
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend

@@ -6,30 +6,12 @@ facts only); the attention implementations are vLLM's real classes.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
+from platform_views import platform_view
 
 from mla_prefill_ext import settings
 from mla_prefill_ext.hosts.core import refusal
 from mla_prefill_ext.hosts.vllm_0_20 import scope
-
-PLATFORMS = {
-    # name: (is_* flags, device capability)
-    "cuda-h200": ({"is_cuda": True}, (9, 0)),
-    "rocm-mi300": ({"is_rocm": True}, (9, 4)),
-    "xpu": ({"is_xpu": True}, None),
-}
-
-
-def platform_view(name: str):
-    from vllm.platforms import current_platform
-
-    flags, _ = PLATFORMS[name]
-    cls = type(current_platform)
-    patches = [mock.patch.object(cls, "is_unspecified", lambda self: False)]
-    patches += [mock.patch.object(cls, flag, lambda self: True) for flag in flags]
-    return patches
 
 
 def decision(name: str, impl_cls: type, explicit: bool) -> str | None:

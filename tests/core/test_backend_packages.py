@@ -3,7 +3,7 @@
 The packages here are real installed distributions as importlib.metadata sees them: a
 ``*.dist-info`` folder with an ``entry_points.txt`` on ``sys.path`` (what pip writes),
 next to the backend's module; the lookups by name use the example package, pip-installed.
-Discovery itself (what is read, once, and registered) is tests/test_discovery.py.
+Discovery itself (what is read, once, and registered) is tests/core/test_discovery.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from entry_point_packages import fake_backend, install
 from pip_install import pip_install
 from vllm.platforms.interface import DeviceCapability
 
@@ -23,34 +24,6 @@ from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
 R1_BF16 = MLAPrefillSelectorConfig.from_dims(__import__("torch").bfloat16, 128, 64, 128)
-
-BACKEND_MODULE = """
-from mla_prefill_ext.backends.base import AutoSelectClaim
-from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
-
-
-class {cls}(TorchSDPAPrefillBackend):
-    auto_select_claim = {claim}
-
-    @staticmethod
-    def get_name():
-        return "{name}"
-"""
-
-
-def install(root: Path, dist: str, entries: dict[str, str], modules: dict[str, str] | None = None) -> None:
-    """Lay out an installed distribution the way pip does: metadata plus modules."""
-    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-    lines = "\n".join(f"{k} = {v}" for k, v in entries.items())
-    (info / "entry_points.txt").write_text(f"[{discovery.ENTRY_POINT_GROUP}]\n{lines}\n")
-    for name, text in (modules or {}).items():
-        (root / f"{name}.py").write_text(textwrap.dedent(text))
-
-
-def fake_backend(name: str, claim: str = "None") -> str:
-    return BACKEND_MODULE.format(cls=f"{name.title().replace('_', '')}Backend", name=name, claim=claim)
 
 
 def test_the_first_missed_name_discovers_the_installed_packages_once(site):
@@ -254,7 +227,7 @@ def test_a_malformed_claim_leaves_the_backend_out_of_automatic_selection(site, a
 
 # Every way of naming a backend finds an installed package, in a process where nothing ran before.
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_PACKAGE = REPO / "examples" / "mla_prefill_example_backend"
 SMALL_SUITE = "device='cpu', dtype='float32', dims=[(64, 32, 64)], num_heads=[2]"
 NAME_CASES: dict[str, dict] = {
@@ -314,7 +287,7 @@ def name_case_results(example_package_site: Path) -> dict[str, dict]:
     )
     env["PYTHONDONTWRITEBYTECODE"] = ""  # info's bytecode note depends on the machine, not on names
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("fresh_processes.py"))],
+        [sys.executable, str(REPO / "tests" / "helpers" / "fresh_processes.py")],
         input=json.dumps(list(NAME_CASES.values())),
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The instrumentor base both patch sets share: all or none, symmetric, idempotent.
 
 Exercised on a module of its own making (the patch sets' real targets are covered by
-tests/test_activation.py and tests/test_engine_config.py).
+tests/core/test_activation.py and test_engine_config.py).
 """
 
 from __future__ import annotations

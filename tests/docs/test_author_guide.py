@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from pip_install import pip_install
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "backend-authors.md"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 FILE_HEADER = re.compile(r"# file: (\S+)\n")

@@ -5,12 +5,12 @@ All with vLLM 0.20.2's real objects on CPU (mla_prefill_ext/testing/vllm_host.py
 
 from __future__ import annotations
 
-from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-from test_scope import PLATFORMS, platform_view
+from mla_layer_on_cpu import build_layer, make_builder
+from platform_views import PLATFORMS, platform_view
 
 from mla_prefill_ext import activation, settings
 from mla_prefill_ext.testing import vllm_host as host
@@ -18,23 +18,6 @@ from mla_prefill_ext.testing import vllm_host as host
 pytestmark = pytest.mark.vllm_patch  # the patch of vLLM 0.20 (skipped where the add-on bridges)
 
 SETTINGS = {settings.BACKEND_ENV, settings.OVERRIDES_ENV, settings.DISABLE_ENV}
-
-
-def build_layer(
-    cfg: Any, capability: tuple[int, int] | None, prefix: str = "model.layers.0.self_attn"
-) -> Any:
-    with host.gpu_view(capability):
-        return host.mla_layer(host.build_deepseek_attention(cfg, prefix=prefix))
-
-
-def make_builder(cfg: Any, layers: list[Any], capability: tuple[int, int] | None) -> Any:
-    from vllm.config import set_current_vllm_config
-
-    builder_cls = layers[0].attn_backend.get_builder_cls()
-    with host.gpu_view(capability), set_current_vllm_config(cfg):
-        return builder_cls(
-            layers[0].get_kv_cache_spec(cfg), [layer.layer_name for layer in layers], cfg, torch.device("cpu")
-        )
 
 
 # --- Settings reach Ray workers through vLLM's own copy list -------------------------------------
@@ -62,7 +45,7 @@ def test_vllm_copies_every_setting_to_ray_workers(clean_selection):
 
 def test_the_disable_switch_reaches_ray_workers_too():
     """Disabled in the driver: the add-on does nothing there, but vLLM still copies the switch."""
-    from test_activation import run_python
+    from child_python import run_python
 
     result = run_python(
         """
@@ -78,7 +61,7 @@ def test_the_disable_switch_reaches_ray_workers_too():
     assert "ACTIVE False" in result.stdout and "COPIED True" in result.stdout
 
 
-# --- A process whose settings differ from the engine's stamp refuses (tests/test_engine_config.py) --
+# --- A process whose settings differ from the engine's stamp refuses (test_engine_config.py) --
 
 
 def test_layer_build_refuses_when_settings_did_not_arrive(shim, clean_selection, model_dirs):
@@ -90,7 +73,7 @@ def test_layer_build_refuses_when_settings_did_not_arrive(shim, clean_selection,
         build_layer(cfg, (9, 0))
 
 
-# --- Where vLLM keeps its own prefill, layer by layer (the decisions: tests/test_scope.py) ---------
+# --- Where vLLM keeps its own prefill, layer by layer (the decisions: test_scope.py) -------------------
 
 
 @pytest.fixture

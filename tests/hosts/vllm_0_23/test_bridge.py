@@ -7,7 +7,6 @@ patched (``host.gpu_view``), and vLLM's own classes stay real.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -15,10 +14,8 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -28,34 +25,7 @@ from mla_prefill_ext.testing import vllm_host as host
 
 pytestmark = pytest.mark.vllm_bridge
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def bridged(clean_selection: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The add-on activated (bridge mode) with no choice or registration; the shape it found."""
-    import mla_prefill_ext
-    from mla_prefill_ext.hosts import vllm_0_23 as bridge
-    from mla_prefill_ext.hosts.vllm_0_23 import selector_wrappers as selection
-
-    mla_prefill_ext.activate()
-    importlib.import_module(bridge.PREFILL_PACKAGE)  # the bridge lands when vLLM's selector is imported
-    assert bridge.is_instrumented(), bridge.state().problem
-    shape = bridge.state().shape
-    shape.selector._auto_select_mla_prefill_backend.cache_clear()  # vLLM's own cache of its picks
-    yield shape
-    shape.selector._auto_select_mla_prefill_backend.cache_clear()
-    selection.clear_caches()
-
-
-@pytest.fixture
-def info_log(addon_log: list[logging.LogRecord]) -> Iterator[list[logging.LogRecord]]:
-    """The add-on's records down to INFO (the tests run vLLM's loggers at WARNING)."""
-    logger = logging.getLogger("vllm.mla_prefill_ext")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield addon_log
-    logger.setLevel(level)
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def config(model_dir: Path | None = None, **kwargs: Any) -> Any:
@@ -252,7 +222,7 @@ def test_a_name_vllm_cannot_reach_or_that_is_vllms_own_gets_one_warning(bridged,
 
 
 def test_an_installed_backend_package_is_selectable_by_its_name(bridged, clean_selection, site, model_dirs):
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import registry
 
@@ -292,7 +262,7 @@ def test_automatic_selection_falls_back_to_torch_sdpa_where_vllm_finds_none(
 def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
     bridged, clean_selection, site, model_dirs
 ):
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import registry
 
@@ -326,7 +296,7 @@ def test_a_claim_goes_before_the_backend_it_names_when_vllm_would_pick_that_one(
 
 def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_selection, site, model_dirs):
     """A claim before FLASHINFER at 9.0, where vLLM picks FLASH_ATTN: vLLM's pick stays."""
-    from test_backend_packages import fake_backend, install
+    from entry_point_packages import fake_backend, install
 
     from mla_prefill_ext import registry
 
@@ -353,31 +323,6 @@ def test_a_claim_before_a_backend_vllm_does_not_pick_waits(bridged, clean_select
 # vLLM's own MLA layer, metadata builder and forward_mha, on the CPU, through an add-on backend.
 
 
-@contextlib.contextmanager
-def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
-    """test_layer.cpu_kernels (the context gather and merge in torch), and unpinned host tensors.
-
-    Pinning needs a CUDA driver: vLLM 0.25's builder pins ``torch.empty`` host tensors (as
-    ``torch.zeros``, which cpu_kernels already covers), and 0.29+ builds its chunk metadata
-    with ``pin_memory=PIN_MEMORY``, a constant read from the platform at import (True here).
-    """
-    from test_layer import cpu_kernels
-    from vllm.utils import torch_utils
-
-    empty = torch.empty
-
-    def empty_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return empty(*args, **kwargs)
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(cpu_kernels(mla_module))
-        stack.enter_context(mock.patch.object(torch, "empty", empty_unpinned))
-        for module in (mla_module, torch_utils):
-            if hasattr(module, "PIN_MEMORY"):
-                stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
-        yield
-
-
 def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     """Two prefill steps through vLLM's builder and forward_mha; the second over cached context.
 
@@ -387,11 +332,11 @@ def run_two_steps(cfg: Any, layer: Any) -> dict[str, Any]:
     takes several chunks (0.29+: one of them a continuation of A's split context). Returns
     each step's error relative to a float64 reference over each whole sequence.
     """
-    from test_layer import CHUNK_WORKSPACE, SeededRequests, make_builder, recording
+    from mla_layer_on_cpu import CHUNK_WORKSPACE, SeededRequests, cpu_step_kernels, make_builder, recording
     from vllm.config import set_current_vllm_config
 
     mla_module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
-    builder = make_builder(cfg, layer, None)
+    builder = make_builder(cfg, [layer], None)
     builder.chunked_prefill_workspace_size = CHUNK_WORKSPACE
     impl = layer.impl
     steps = [([37, 20], [0, 0]), ([9, 5, 7], [37, 20, 0])]
@@ -427,7 +372,7 @@ def build_layer(cfg: Any) -> Any:
 
 def test_an_addon_backend_runs_through_vllms_own_forward_mha(bridged, clean_selection, model_dirs):
     """TORCH_SDPA, chosen by the environment alone, inside vLLM's layer, builder and forward_mha."""
-    from test_layer import TOLERANCE
+    from mla_layer_on_cpu import TOLERANCE
 
     from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 
@@ -452,11 +397,11 @@ def test_an_addon_backend_runs_through_vllms_own_forward_mha(bridged, clean_sele
 @pytest.mark.parametrize("mutant", ["SdpaScaleOffBackend", "SdpaBase2LseBackend"])
 def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_selection, model_dirs, mutant):
     """The check above fails a backend with the scale 2% off or the LSE in base 2 (as CUSTOM)."""
-    from test_layer import TOLERANCE
+    from mla_layer_on_cpu import TOLERANCE
 
     from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
 
-    clean_selection.syspath_prepend(str(Path(__file__).parent / "gpu"))
+    clean_selection.syspath_prepend(str(ROOT / "tests" / "gpu"))
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
     clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
     cfg = host.make_vllm_config(model_dirs["yarn"])
@@ -472,7 +417,7 @@ def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_s
 
 def run_child(code: str, **env: str) -> str:
     """A fresh interpreter (as vLLM's spawned engine core), this checkout first on its path."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])}
     for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES", "MLA_PREFILL_EXT_DISABLE"):
         if name not in env:
             full.pop(name, None)
@@ -563,7 +508,7 @@ def test_conformance_runs_through_the_installed_vllms_calling_convention(bridged
     report = run_conformance("TORCH_SDPA", dtype="bfloat16")
     assert report.ok, report.format()
     # The same suite through the same convention catches a base-2 LSE and attention across sequences.
-    clean_selection.syspath_prepend(str(Path(__file__).parent))
+    clean_selection.syspath_prepend(str(ROOT / "tests" / "helpers"))
     for mutant, prop in (("Base2LSE", "lse.natural_log"), ("CrossSequence", "varlen.isolation")):
         report = run_conformance(f"conformance_mutants.{mutant}", dtype="bfloat16")
         assert prop in report.failed_properties, report.format()

@@ -1,7 +1,7 @@
 """Discovery: installed packages' entry points registered once per process, from metadata only.
 
 The packages are real installed distributions laid out as pip lays them out (see
-tests/test_backend_packages.py's ``install``).
+tests/helpers/entry_point_packages.py's ``install``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_backend_packages import fake_backend, install
+from entry_point_packages import fake_backend, install
 
 from mla_prefill_ext import discovery, registry
 from mla_prefill_ext.registry import MLAPrefillBackendEnum

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
 import wrapt
+from child_python import run_python
 
 import mla_prefill_ext
 from mla_prefill_ext import activation
@@ -52,20 +49,6 @@ def assert_only_the_guard(module: Any, missing: str | None = None) -> None:
 
 def messages(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records]
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
-    for name in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND_OVERRIDES"):
-        if name not in env:
-            full_env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code).strip()],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=300,
-    )
 
 
 @pytest.fixture

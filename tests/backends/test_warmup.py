@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from custom_backends import WarmingSDPABackend
-from test_deployment import build_layer, make_builder
+from mla_layer_on_cpu import build_layer, make_builder
 
 from mla_prefill_ext import settings
 from mla_prefill_ext.backends import warmup

@@ -20,7 +20,7 @@ from mla_prefill_ext.testing import PROPERTIES, assert_conformant, run_conforman
 
 pytestmark = pytest.mark.usefixtures("clean_selection")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_PACKAGE = REPO / "examples" / "mla_prefill_example_backend"
 BUILTINS = [m.name for m in MLAPrefillBackendEnum if m.is_builtin and m.value is not None]
 SMALL = {"dims": [(64, 32, 64)], "num_heads": [2]}  # one small case: mutants fail on any

@@ -116,7 +116,7 @@ def run_fresh(code: str) -> list[str]:
         text=True,
         env=env,
         timeout=300,
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).parents[1] / "helpers",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout.splitlines()

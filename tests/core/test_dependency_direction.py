@@ -35,7 +35,7 @@ HOSTS = f"{PACKAGE}.hosts"
 PATCH_HOST = f"{HOSTS}.vllm_0_20"
 BRIDGE_HOST = f"{HOSTS}.vllm_0_23"
 FORBIDDEN = PATCH_HOST
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 BACKENDS = ROOT / "backends"
 
 
@@ -375,7 +375,7 @@ def test_no_import_cycle_in_the_package():
 # Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never
 # on the test suite: tests/ is not installed, and a script reaching into it ties the benchmarks to the
 # suite's private helpers and to sys.path tricks.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO_ROOT / "scripts"
 TESTS_DIR = REPO_ROOT / "tests"
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
+from mla_layer_on_cpu import (
+    CHUNK_WORKSPACE,
+    TOLERANCE,
+    SeededRequests,
+    cpu_kernels,
+    make_builder,
+    recording,
+)
 
 from mla_prefill_ext.testing import vllm_host as host
 from mla_prefill_ext.testing.reference import reference_attention
@@ -103,7 +108,7 @@ def test_flashinfer_reads_the_layers_through_the_reader_the_patch_hands_it(
     assert all(
         layer.prefill_backend.read_layer_hyperparameters is mla_layer_hyperparameters for layer in layers
     )
-    builder = make_builder(cfg, layers[0], (9, 0))
+    builder = make_builder(cfg, [layers[0]], (9, 0))
     (runner,) = builder._mla_prefill_runners.values()
     assert runner is not layers[0].prefill_backend
     assert runner.read_layer_hyperparameters is mla_layer_hyperparameters
@@ -124,37 +129,11 @@ def test_builder_holds_no_prefill_state_of_its_own(shim, clean_selection, model_
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
     cfg = host.make_vllm_config(model_dirs["plain"])
     layer = build(cfg, (10, 0))
-    builder = make_builder(cfg, layer, (10, 0))
+    builder = make_builder(cfg, [layer], (10, 0))
     assert builder._use_fi_prefill is False and builder._use_cudnn_prefill is False
     for attr in ("_fi_prefill_main", "_global_hyperparameters", "cudnn_workspace", "_workspace_buffer"):
         assert not hasattr(builder, attr), attr
     assert builder._mla_prefill_layer_names == [layer.layer_name]
-
-
-def make_builder(cfg: Any, layer: Any, capability: tuple[int, int] | None) -> Any:
-    from vllm.config import set_current_vllm_config
-
-    builder_cls = layer.attn_backend.get_builder_cls()
-    with host.gpu_view(capability), set_current_vllm_config(cfg):
-        return builder_cls(layer.get_kv_cache_spec(cfg), [layer.layer_name], cfg, torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def recording(cls: type, name: str) -> Iterator[list[tuple[Any, tuple, dict]]]:
-    """Records ``(instance, args, kwargs)`` of every call of method ``name`` on any instance of ``cls``.
-
-    Patched on the class, so it sees whichever instance runs (the layer's own backend
-    or an instance the metadata builder prepared for the step).
-    """
-    calls: list[tuple[Any, tuple, dict]] = []
-    original = getattr(cls, name)
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append((self, args, kwargs))
-        return original(self, *args, **kwargs)
-
-    with mock.patch.object(cls, name, spy):
-        yield calls
 
 
 def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model_dirs):
@@ -167,7 +146,7 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
     layer = build(cfg, None)  # a CPU: the portable backend
     backend = layer.prefill_backend
     assert isinstance(backend, TorchSDPAPrefillBackend)
-    builder = make_builder(cfg, layer, None)
+    builder = make_builder(cfg, [layer], None)
 
     new_lens = [5, 11, 3]
     with recording(type(backend), "prepare_metadata") as prepared:
@@ -212,162 +191,6 @@ def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model
 STEP1_NEW = [37, 20]  # A, B
 STEP2_NEW = [9, 5, 7]  # A, B, C
 STEP2_CONTEXT = [37, 20, 0]
-BLOCK_SIZE = 16  # host.make_vllm_config's CacheConfig
-BLOCKS = [[5, 2, 7], [0, 6], [3]]  # physical KV-cache blocks of A, B, C, deliberately out of order
-NUM_BLOCKS = 8
-# The builder's chunked-context workspace lowered (as the GPU suite's --context-chunk-tokens
-# does) to 32 tokens: 16 per request with context, so A's 37 cached tokens take 3 chunks.
-CHUNK_WORKSPACE = 32
-TOLERANCE = 2.0**-7  # of the largest |reference| value: bf16 rounding with 4x margin
-
-
-def cpu_gather_and_maybe_dequant_cache(
-    src_cache: torch.Tensor,
-    dst: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-    token_to_seq: torch.Tensor,
-    num_tokens: Any,
-    kv_cache_dtype: str,
-    scale: Any,
-    seq_starts: torch.Tensor | None = None,
-) -> None:
-    """vLLM's CUDA kernel ``gather_and_maybe_dequant_cache``, in torch, for the CPU tests.
-
-    As the kernel: token ``i < num_tokens`` of the chunk belongs to request
-    ``s = token_to_seq[i]``, at position ``seq_starts[s] + i - cu_seq_lens[s]`` of that
-    request; it is read from the paged cache through the request's block-table row
-    (``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``) into ``dst[i]``,
-    scaled only for a quantized cache (not used here: ``"auto"``).
-    """
-    n = int(num_tokens)
-    i = torch.arange(n)
-    seq = token_to_seq[:n].long()
-    pos = i - cu_seq_lens.long()[seq]
-    if seq_starts is not None:
-        pos = pos + seq_starts.long()[seq]
-    block_size = src_cache.shape[1]
-    rows = src_cache[block_table.long()[seq, pos // block_size], pos % block_size]
-    if kv_cache_dtype != "auto":
-        rows = rows.float() * scale
-    dst[:n] = rows.to(dst.dtype)
-
-
-def cpu_merge_attn_states(
-    output: torch.Tensor,
-    prefix_output: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    suffix_output: torch.Tensor,
-    suffix_lse: torch.Tensor,
-    output_lse: torch.Tensor | None = None,
-    prefill_tokens_with_context: int | None = None,
-    output_scale: torch.Tensor | None = None,
-) -> None:
-    """vLLM's ``merge_attn_states`` (CUDA or Triton kernels) with the same arguments, in torch.
-
-    The merge rule is the add-on's reference one (``merge_attn_states_torch``); tokens from
-    ``prefill_tokens_with_context`` on have no context and take the suffix as they are.
-    """
-    from mla_prefill_ext.testing.reference import merge_attn_states_torch
-
-    assert output_scale is None
-    n = output.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
-    merged, lse = merge_attn_states_torch(
-        prefix_output[:n], prefix_lse[:, :n], suffix_output[:n], suffix_lse[:, :n]
-    )
-    output[:n] = merged.to(output.dtype)
-    output[n:] = suffix_output[n:].to(output.dtype)
-    if output_lse is not None:
-        output_lse[:, :n] = lse
-        output_lse[:, n:] = suffix_lse[:, n:]
-
-
-@contextlib.contextmanager
-def cpu_kernels(mla_module: Any) -> Iterator[None]:
-    """The three CUDA-only pieces of the context path, done on the CPU (test-only).
-
-    * ``ops.gather_and_maybe_dequant_cache`` (the paged-cache gather of each context
-      chunk in ``_compute_prefill_context``): :func:`cpu_gather_and_maybe_dequant_cache`;
-    * ``merge_attn_states`` (chunk-by-chunk and context-with-new-tokens merges):
-      :func:`cpu_merge_attn_states`;
-    * the builder's pinned host tensors (``torch.zeros(..., pin_memory=True)``), which
-      need a CUDA driver: allocated unpinned.
-    Everything else (the builder's chunking, ``forward_mha``, ``_compute_prefill_context``,
-    ``kv_b_proj``, the add-on's hooks and backend) runs as it is.
-    """
-    zeros = torch.zeros
-
-    def zeros_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return zeros(*args, **kwargs)
-
-    with (
-        mock.patch.object(
-            mla_module.ops, "gather_and_maybe_dequant_cache", cpu_gather_and_maybe_dequant_cache
-        ),
-        mock.patch.object(mla_module, "merge_attn_states", cpu_merge_attn_states),
-        mock.patch.object(torch, "zeros", zeros_unpinned),
-    ):
-        yield
-
-
-class SeededRequests:
-    """The inputs of the requests A, B, C (see STEP2_*) as forward_mha takes them, and their reference.
-
-    Draws from one seeded generator, in this order: kv_b_proj's weights (set on the layer),
-    then each request's latent KV, rope K and queries over its whole sequence (``totals``
-    tokens). The paged cache (blocks BLOCKS of NUM_BLOCKS) starts all NaN, so a read of a
-    slot no step wrote shows.
-    """
-
-    LORA, ROPE, NOPE, DV = 512, 64, 128, 128
-
-    def __init__(self, layer: Any, totals: list[int], dtype: torch.dtype = torch.bfloat16) -> None:
-        gen = torch.Generator().manual_seed(7)
-        self.layer, self.dtype, self.heads = layer, dtype, layer.num_heads
-        lora, rope, nope = self.LORA, self.ROPE, self.NOPE
-        self.w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
-        layer.kv_b_proj.weight.data = self.w
-        self.kv_c = [torch.randn(t, lora, generator=gen).to(dtype) for t in totals]
-        self.k_pe = [torch.randn(t, 1, rope, generator=gen).to(dtype) for t in totals]
-        self.q = [torch.randn(t, self.heads, nope + rope, generator=gen).to(dtype) for t in totals]
-        self.table = torch.zeros(len(BLOCKS), 4, dtype=torch.int32)
-        for r, blocks in enumerate(BLOCKS):
-            self.table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, lora + rope), float("nan"), dtype=dtype)
-
-    def batch(self, new_lens: list[int], ctx_lens: list[int]) -> Any:
-        return host.prefill_batch(new_lens, ctx_lens, self.table[: len(new_lens)], BLOCK_SIZE)
-
-    def step(
-        self, new_lens: list[int], ctx_lens: list[int], slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, kv_c, k_pe of a step's new tokens, its NaN output buffer, and the float64 expectation.
-
-        Writes the step's latent KV rows into the paged cache at ``slots`` first, as
-        forward_impl does before forward_mha (vLLM's concat_and_cache_mla).
-        """
-        reqs = range(len(new_lens))
-        sl = [slice(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
-        q = torch.cat([self.q[r][sl[r]] for r in reqs])
-        kv_c = torch.cat([self.kv_c[r][sl[r]] for r in reqs])
-        k_pe = torch.cat([self.k_pe[r][sl[r]] for r in reqs])
-        self.cache.view(-1, self.LORA + self.ROPE)[slots] = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
-        output = torch.full((q.shape[0], self.heads * self.DV), float("nan"), dtype=self.dtype)
-        expected = torch.cat([self.reference(r, sl[r].start, sl[r].stop) for r in reqs])
-        return q, kv_c, k_pe, output, expected.reshape(q.shape[0], -1)
-
-    def reference(self, r: int, start: int, end: int) -> torch.Tensor:
-        """Request r's tokens start:end attending causally to its whole sequence so far, in float64.
-
-        K and V as the layer computes them (kv_b_proj in the model dtype), then attention in float64.
-        """
-        heads, nope, rope = self.heads, self.NOPE, self.ROPE
-        kv = torch.nn.functional.linear(self.kv_c[r][:end], self.w).double().view(end, heads, nope + self.DV)
-        k = torch.cat([kv[..., :nope], self.k_pe[r][:end].double().expand(end, heads, rope)], dim=-1)
-        out, _ = reference_attention(
-            self.q[r][start:end].double(), k, kv[..., nope:], self.layer.scale, causal=True
-        )
-        return out
 
 
 def two_steps_with_context(
@@ -386,7 +209,7 @@ def two_steps_with_context(
     from mla_prefill_ext.hosts import vllm_0_20 as patches
 
     mla_module = importlib.import_module(patches.MLA_MODULE)
-    builder = make_builder(cfg, layer, None)
+    builder = make_builder(cfg, [layer], None)
     if chunk_workspace is not None:
         builder.chunked_prefill_workspace_size = chunk_workspace
     impl = layer.impl
@@ -449,7 +272,7 @@ def test_forward_mha_with_context_catches_a_wrong_backend(shim, clean_selection,
     """
     from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
 
-    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "gpu"))
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
     clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
     cfg = host.make_vllm_config(model_dirs["yarn"])
@@ -541,7 +364,7 @@ def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
     import mla_prefill_ext
     from mla_prefill_ext.hosts import vllm_0_20 as patches
 
-    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "gpu"))
     import engine_runner
 
     mla_module = importlib.import_module(patches.MLA_MODULE)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -15,8 +14,9 @@ import pytest
 import torch
 import vllm.platforms
 from logs import warnings_in
-from vllm.config import AttentionConfig
+from platform_views import device
 from vllm.platforms.interface import DeviceCapability
+from vllm_configs import config
 
 from mla_prefill_ext import selector
 from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
@@ -26,7 +26,6 @@ from mla_prefill_ext.backends.trtllm_ragged import TrtllmRaggedPrefillBackend
 from mla_prefill_ext.hosts.vllm_0_20 import legacy_flags
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
-from mla_prefill_ext.testing import vllm_host as host
 
 E = MLAPrefillBackendEnum
 ADDITIONAL = "additional_config['mla_prefill_backend']"
@@ -35,26 +34,6 @@ LEGACY_FLASHINFER = legacy_flags.FLASHINFER_SOURCE
 R1_BF16 = MLAPrefillSelectorConfig(torch.bfloat16, True)
 pytestmark = pytest.mark.usefixtures("clean_selection")
 Records = list[logging.LogRecord]
-
-
-@contextlib.contextmanager
-def device(capability: tuple[int, int] | None) -> Iterator[None]:
-    """What a GPU of this capability would report (None: what this CPU box reports)."""
-    cap = None if capability is None else DeviceCapability(*capability)
-    with mock.patch.object(
-        type(vllm.platforms.current_platform),
-        "get_device_capability",
-        classmethod(lambda cls, device_id=0: cap),
-    ):
-        yield
-
-
-def config(model_dir: Path, mla_prefill_backend: str | None = None, **attention: Any) -> Any:
-    """A real VllmConfig (bf16) with the given additional_config choice and attention flags."""
-    additional = {} if mla_prefill_backend is None else {"mla_prefill_backend": mla_prefill_backend}
-    return host.make_vllm_config(
-        model_dir, additional_config=additional, attention_config=AttentionConfig(**attention)
-    )
 
 
 # Automatic priorities

@@ -1,0 +1,77 @@
+"""``info``, the doctor (mla_prefill_ext/cli/info.py): the report, its findings, its verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from cli_runs import CLAIM_CLASS, SUPPORTED, assert_no_traceback, cuda_here
+
+SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
+    # A user with several problems at once (info imports vLLM's MLA module: the costly runs).
+    "info_unsupported_vllm": (
+        ["info"],
+        {
+            "MLA_TEST_VLLM_VERSION": "0.21.0",
+            "MLA_PREFILL_BACKEND": "FLASH_ATTN",
+            "MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": oops',
+        },
+    ),
+    # An installed backend package that claims a place in automatic selection here.
+    "info_claim": (["info"], {}),
+}
+SLOW_RUN_PATHS: dict[str, list[str]] = {"info_claim": ["claim_packages"]}
+
+
+@pytest.mark.vllm_patch  # info's report of the patch
+def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -> None:
+    proc = slow["info_unsupported_vllm"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    out = proc.stdout
+    assert f"vLLM 0.21.0: NOT supported, mode: none (supported: {SUPPORTED})" in out
+    assert "add-on: not active (see the findings)" in out
+    assert "backend choice: FLASH_ATTN (from MLA_PREFILL_BACKEND)" in out
+    findings = [line for line in out.splitlines() if line.startswith("  PROBLEM  ") and "." in line]
+    assert any(f.startswith("  PROBLEM  vLLM 0.21.0 is not supported") for f in findings)
+    assert any(
+        f.startswith("  PROBLEM  mla-prefill-ext cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN")
+        for f in findings
+    )
+    assert any(f.startswith("  PROBLEM  MLA_PREFILL_BACKEND_OVERRIDES is not valid JSON") for f in findings)
+    assert all(f.endswith(".") for f in findings)  # findings are sentences
+    verdict = out.rstrip().splitlines()[-1]
+    assert verdict.startswith("verdict: ") and verdict.endswith(" problems found (see the findings).")
+    assert "shim" not in out.lower()
+    assert "(wrapped)" not in out  # targets say what the add-on does with them: "wraps" or "reads"
+    assert "  ok       wraps  MLAAttention.__init__" in out
+
+
+@pytest.mark.vllm_patch  # info's report of the patch
+def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -> None:
+    proc = slow["info_claim"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    (platform_line,) = [line for line in lines if line.startswith("platform: ")]
+    assert platform_line.endswith(": the add-on serves MLA prefill here"), platform_line
+    if not cuda_here():
+        assert platform_line in (
+            "platform: CPU: the add-on serves MLA prefill here",
+            "platform: none (vLLM detected no GPU platform): the add-on serves MLA prefill here",
+        )
+    where = "does not apply on this device" if cuda_here() else "applies on this device"
+    assert (
+        f"  ok       DEMO_CLAIM (entry point of package demo-claim): {CLAIM_CLASS}; "
+        f"claim: cpu; before FLASH_ATTN ({where})"
+    ) in lines
+    assert (
+        "  ok       TORCH_SDPA (built-in): mla_prefill_ext.backends.torch_sdpa.TorchSDPAPrefillBackend"
+        in lines
+    )
+    if not cuda_here():
+        assert any(
+            line.endswith(": DEMO_CLAIM would serve (it joined automatic selection by its claim)")
+            for line in lines
+        )
+    assert lines[-1] == "verdict: ok: the add-on is active and vLLM's MLA layer is patched."

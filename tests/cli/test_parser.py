@@ -1,0 +1,84 @@
+"""The parser, the command table and ``main`` (mla_prefill_ext/cli/__init__.py): flags, help, usage errors.
+
+No vLLM needed: these runs are fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_runs import SUPPORTED, assert_no_traceback, cli_env, run
+
+from mla_prefill_ext import __version__
+from mla_prefill_ext.cli import build_parser
+
+
+def test_version() -> None:
+    proc = run("--version", env=cli_env())
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"mla-prefill-ext {__version__} (an add-on for {SUPPORTED})"
+
+
+def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
+    assert set(subparsers) == {"info", "select", "check"}
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings} has no help"
+        assert "shim" not in sub.format_help().lower()
+    assert "shim" not in parser.format_help().lower()
+    proc = run("check", "--help", env=cli_env())
+    assert proc.returncode == 0
+    for flag in ("--backend", "--conformance", "--device", "--dtype", "--repeat", "--seed", "--json"):
+        assert flag in proc.stdout
+    assert "timed runs after one warm-up run" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["check", "--repeat", "0"], "argument --repeat: expected a whole number of at least 1, got '0'"),
+        (["check", "--repeat", "many"], "argument --repeat"),
+        (["check", "--seed", "-1"], "argument --seed"),
+        (["check", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["check", "--conformance", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["check", "--conformance", "--seed", "x"], "argument --seed"),
+        (["select", "--capability", "99.9"], "argument --capability: expected a CUDA compute capability"),
+        (["select", "--capability", "9"], "argument --capability"),
+        (["select", "--capability", "0.5"], "argument --capability"),
+        (["select", "--dims", "0,0,0"], "argument --dims: expected 'r1' or three positive head dims"),
+        (["select", "--dims", "128,64"], "argument --dims"),
+        (["info", "--verbose"], "unrecognized arguments: --verbose"),
+        ([], "the following arguments are required"),
+    ],
+)
+def test_bad_flags_print_the_usage_line_and_exit_2(args: list[str], says: str) -> None:
+    proc = run(*args, env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("usage: mla-prefill-ext"), proc.stderr
+    assert says in proc.stderr
+    assert_no_traceback(proc)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["select", "--capability", "99.9", "--json"], "argument --capability: expected a CUDA"),
+        (["select", "--json", "--dims", "1,2"], "argument --dims: expected 'r1'"),
+        (["info", "--json", "--verbose"], "unrecognized arguments: --verbose"),
+        (["check", "--json", "--repeat", "0"], "argument --repeat: expected a whole number of at least 1"),
+    ],
+)
+def test_with_json_a_usage_error_is_json_on_stdout(args: list[str], says: str) -> None:
+    """Scripts parse stdout: a usage error there is JSON too (and the usage line stays on stderr)."""
+    proc = run(*args, env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["error"].startswith(says) and report["exit_code"] == 2
+    # The usage line argparse prints on stderr (the subcommand's, or the program's where it gives that).
+    assert report["usage"].startswith("usage: mla-prefill-ext") and proc.stderr.startswith(report["usage"])
+    assert says in proc.stderr
+    assert_no_traceback(proc)
