@@ -26,7 +26,7 @@ two versions of the add-on measured in one run, taking turns.
 Model (``--model``): by default DeepSeek-R1 as one GPU of TP=8 sees it
 (``scripts/bench/models/r1_tp8_slice``: 61 layers, 16 heads, hidden 7168, q_lora 1536,
 dense MLP 2304; its README says why), with vLLM's dummy weights (timing does not depend
-on the values). The GPU suite's tiny 4-layer model (``--model tests/gpu/tiny_deepseek_v2``)
+on the values). The GPU suite's tiny 4-layer model (``--model scripts/gpu_harness/tiny_deepseek_v2``)
 is host-bound: its single runs spread by +-25%. torch.compile + CUDA graphs by default,
 ``--eager`` without; vLLM's default scheduling (async scheduling as vLLM decides;
 recorded per side). Works on vLLM 0.20 (the patch) and 0.23+ (the bridge): the check

@@ -3,7 +3,7 @@
 
     python scripts/bench/engine_scenarios.py --results OUT/scenarios [--json bench-engine.json]
 
-Reads what ``python -m tests.gpu.scenarios --bench`` recorded (one JSON file per scenario; see
+Reads what ``python -m scripts.gpu_harness.scenarios --bench`` recorded (one JSON file per scenario; see
 scripts/gpu_suite.sh): prompt tokens/s with ``max_tokens=1`` of ``stock`` (the add-on disabled),
 ``shim-fa`` (FLASH_ATTN) and ``shim-fi`` (FLASHINFER), each in its own engine lifetime, several
 repetitions per point. Nothing is measured here. For stock and the backends alive at once,

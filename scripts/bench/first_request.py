@@ -20,7 +20,7 @@ them (faster, but then a later side reuses what an earlier one compiled); ``--fl
 DIR`` gives every side that one FlashInfer cache instead of a fresh one.
 
 Engine: ``AsyncLLM`` (the engine ``vllm serve`` runs, without the HTTP server) on the tiny
-DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
+DeepSeek-V2 of the GPU suite (``scripts/gpu_harness/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
 no tokenizer (prompts are token ids), prefix caching on, and a small ``max_num_batched_tokens``
 so that long prompts prefill in chunks over their own earlier tokens: context chunks from the
 first requests on. torch.compile and CUDA graphs unless ``--eager``.
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
+MODEL_DIR = ROOT / "scripts" / "gpu_harness" / "tiny_deepseek_v2"
 VOCAB = 32000
 MAX_TOKENS = 8
 WARM_SUFFIX = "-warm"

@@ -1,6 +1,6 @@
 """Deployments on the GPU host: a Ray cluster started beforehand, and an installed backend package.
 
-Reads the results of ``python -m tests.gpu.session multi`` / ``single`` from
+Reads the results of ``python -m scripts.gpu_harness.session multi`` / ``single`` from
 ``MLA_GPU_RESULTS`` (skipped where a scenario was not run). The Ray cluster was
 started from an environment with none of the add-on's variables, so only what vLLM
 copies to its Ray workers reaches them, as on a second node.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu import scenarios, verdict
+from scripts.gpu_harness import scenarios, verdict
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
 """The whole GPU verification on a 2-GPU host, in two phases that each fit one sitting.
 
-    python -m tests.gpu.session single --results DIR     # kernels + single-GPU engines
-    python -m tests.gpu.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
-    python -m tests.gpu.session verdicts --results DIR   # the engine assertions over DIR
+    python -m scripts.gpu_harness.session single --results DIR     # kernels + single-GPU engines
+    python -m scripts.gpu_harness.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
+    python -m scripts.gpu_harness.session verdicts --results DIR   # the engine assertions over DIR
 
 Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
 the wall time; numerics do not depend on it. FlashInfer's kernels JIT-compile on first
@@ -10,7 +10,7 @@ use (about a minute): the kernel tests run first in one lane and the FLASHINFER 
 follow in that lane, so no two processes compile the same kernel at once.
 
 ``multi`` starts a Ray head from an environment with none of the add-on's variables
-(tests/gpu/ray_cluster.py), as a node started by hand would be, runs the Ray scenarios
+(scripts/gpu_harness/ray_cluster.py), as a node started by hand would be, runs the Ray scenarios
 one after another against it while the multiprocessing TP=2 scenarios run beside them,
 then repeats the CUSTOM Ray scenario with the previous release of the add-on
 (``--old-addon DIR``: a folder holding that ``mla_prefill_ext``) to show what it missed.
@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from tests.gpu import ray_cluster
-from tests.gpu.scenarios import SCENARIOS, Scenario, command, default_model_dir, ensure_checkpoint
+from scripts.gpu_harness import ray_cluster
+from scripts.gpu_harness.scenarios import SCENARIOS, Scenario, command, default_model_dir, ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_MEM = "0.3"

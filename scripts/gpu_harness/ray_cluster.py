@@ -5,8 +5,8 @@ This is how a multi-node deployment looks to vLLM: ``ray start`` ran on each nod
 Ray's workers do not inherit the driver's environment. The driver joins through
 ``RAY_ADDRESS``; only what vLLM copies to its Ray workers reaches them.
 
-    python -m tests.gpu.ray_cluster start [--pythonpath EXTRA]   # prints the address
-    python -m tests.gpu.ray_cluster stop
+    python -m scripts.gpu_harness.ray_cluster start [--pythonpath EXTRA]   # prints the address
+    python -m scripts.gpu_harness.ray_cluster stop
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes a seeded "sharp attention" checkpoint of the tiny DeepSeek-V2 that vLLM loads.
 
-    python tests/gpu/make_sharp_checkpoint.py OUT_DIR [--seed 0] [--config CONFIG_JSON]
+    python scripts/gpu_harness/make_sharp_checkpoint.py OUT_DIR [--seed 0] [--config CONFIG_JSON]
 
 Why: with ``load_format="dummy"`` vLLM fills every weight uniformly in +-1e-3, so
 attention scores are all ~0, attention is uniform, and a prefill backend that is

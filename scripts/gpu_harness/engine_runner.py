@@ -4,12 +4,12 @@
 A scenario is one engine lifetime in a fresh process (so that the add-on's
 environment switches reach vLLM's child processes as they would for a user):
 
-    python tests/gpu/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
+    python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
         [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks] \\
         [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench]
 
 Weights: ``sharp`` (default) loads the seeded sharp-attention checkpoint
-(tests/gpu/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
+(scripts/gpu_harness/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
 cache folder when no folder is given; on those weights a wrong prefill backend changes
 logprobs and tokens. ``dummy`` is vLLM's ``load_format="dummy"`` (uniform +-1e-3: attention
 is uniform and almost any backend gives the same tokens), kept for start-up-only scenarios.
@@ -55,6 +55,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "tiny_deepseek_v2"  # config only: dummy weights
 EXAMPLES = HERE.parent.parent / "examples"
+# The mutation scenarios' backends (mutant_backends.py) are test doubles: they live with the tests.
+TEST_DOUBLES = HERE.parent.parent / "tests" / "gpu"
 MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
 SHARP_SEED = 0
 CHECKPOINT_DIR_ENV = "MLA_SHARP_CHECKPOINT_DIR"
@@ -283,7 +285,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The runner's command line (a scenario's flags, tests/gpu/scenarios.py)."""
+    """The runner's command line (a scenario's flags, scripts/gpu_harness/scenarios.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
     parser.add_argument("--out", required=True)
@@ -353,9 +355,9 @@ def main() -> int:
     if args.custom or args.custom_class:
         # The backend's module must be importable in vLLM's child processes too.
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")])
+            filter(None, [str(EXAMPLES), str(TEST_DOUBLES), os.environ.get("PYTHONPATH")])
         )
-        sys.path[:0] = [str(EXAMPLES), str(HERE)]
+        sys.path[:0] = [str(EXAMPLES), str(TEST_DOUBLES)]
 
     plain_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record: dict = {"name": args.name, "args": plain_args, "pid": os.getpid()}

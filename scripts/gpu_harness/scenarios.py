@@ -1,8 +1,9 @@
 """The engine scenarios of the GPU suite, and a driver that runs them across GPUs.
 
-    python -m tests.gpu.scenarios --results DIR [--gpus 0,1] [--only a,b] [--bench] [--model-dir CKPT]
+    python -m scripts.gpu_harness.scenarios --results DIR [--gpus 0,1] [--only a,b] [--bench]
+        [--model-dir CKPT]
 
-Each scenario is one engine lifetime in its own process (tests/gpu/engine_runner.py).
+Each scenario is one engine lifetime in its own process (scripts/gpu_harness/engine_runner.py).
 Every scenario that is compared with stock vLLM runs on the sharp-attention checkpoint
 (make_sharp_checkpoint.py), generated once before the first engine starts (into
 ``--model-dir``, default ``DIR/sharp-checkpoint``); only ``invalid-explicit`` (a

@@ -1,6 +1,6 @@
 """Verdicts on engine outputs: is a scenario's greedy decode what stock vLLM's is?
 
-A record is one prompt's result as ``tests/gpu/engine_runner.py`` writes it:
+A record is one prompt's result as ``scripts/gpu_harness/engine_runner.py`` writes it:
 ``prompt_len``, ``tokens`` (greedy), ``logprobs`` (of each chosen token) and, since
 the runner asks for ``logprobs=2``, ``top2`` (the two highest logprobs at each
 position, highest first). A verdict compares a candidate's records with the
