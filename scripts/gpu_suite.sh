@@ -48,7 +48,7 @@ else
     CUDA_VISIBLE_DEVICES=1 python -m pytest tests/gpu/test_kernels.py -q -rs --junitxml="$out/kernels.xml" \
       > "$out/kernels.log" 2>&1
     stamp "kernel benchmark"
-    CUDA_VISIBLE_DEVICES=1 python scripts/bench/kernel.py --json "$out/bench-kernel.json" \
+    CUDA_VISIBLE_DEVICES=1 python -m scripts.bench kernel --json "$out/bench-kernel.json" \
       --plot "$out/bench-kernel.png" > "$out/bench-kernel.log" 2>&1
     scenarios --gpus 1 --only shim-fi-eager,shim-fi-chunks,invalid-explicit
   ) > "$out/queue-gpu1.log" 2>&1 &
@@ -62,10 +62,10 @@ python -m pytest tests/gpu/test_engine.py -q -rs -s --junitxml="$out/engine.xml"
 tail -n 3 "$out/engine.log"
 if [[ $quick != 1 ]]; then
   stamp "engine benchmark table"
-  python scripts/bench/engine_scenarios.py --results "$out/scenarios" --json "$out/bench-engine.json" \
+  python -m scripts.bench engine_scenarios --results "$out/scenarios" --json "$out/bench-engine.json" \
     > "$out/bench-engine.log" 2>&1
   stamp "start-up benchmark"
-  python scripts/bench/startup.py --reps 3 --whole-process --json "$out/bench-startup.json" \
+  python -m scripts.bench startup --reps 3 --whole-process --json "$out/bench-startup.json" \
     > "$out/bench-startup.log" 2>&1
 fi
 stamp "done"

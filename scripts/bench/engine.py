@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Engine prefill throughput: stock vLLM and the add-on's backends, side by side, interleaved.
 
-    python scripts/bench/engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
+    python -m scripts.bench engine [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
         [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
         [--tree LABEL=DIR --sides ...,FLASHINFER@LABEL --compare FLASHINFER/FLASHINFER@LABEL]
 
@@ -45,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-from common import ROOT
+from . import common
+from .common import ROOT
 
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
@@ -214,7 +213,7 @@ def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--model", type=Path, default=MODEL_DIR, help="model folder (config.json)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
@@ -233,7 +232,7 @@ def main() -> int:
         default="FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock",
         help="A/B ratios to report (of sides present)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.trees = {t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}
     sides = args.sides.split(",")
     pairs = [tuple(p.split("/", 1)) for p in args.compare.split(",")]
