@@ -24,6 +24,7 @@ runner (see ``engine_runner.llm_kwargs``), ``env`` for the runner's environment,
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -158,9 +159,29 @@ def run_all(
         print(f"[{time.strftime('%H:%M:%S')}] done {s.name}: rc={proc.returncode}", flush=True)
 
 
+def recorded_text(path: Path) -> str | None:
+    """A recorded file's text, from ``path`` or from ``path.gz`` (how docs/results keeps raw records);
+    None if there is neither."""
+    if path.exists():
+        return path.read_text(errors="replace")
+    packed = path.with_name(path.name + ".gz")
+    if packed.exists():
+        return gzip.decompress(packed.read_bytes()).decode(errors="replace")
+    return None
+
+
 def load(results: Path, name: str) -> dict | None:
-    path = results / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """A scenario's result in ``results``, or None where it was not run."""
+    text = recorded_text(results / f"{name}.json")
+    return json.loads(text) if text is not None else None
+
+
+def log_text(results: Path, name: str) -> str:
+    """A scenario's engine log in ``results``."""
+    text = recorded_text(results / f"{name}.log")
+    if text is None:
+        raise FileNotFoundError(results / f"{name}.log")
+    return text
 
 
 def main() -> int:

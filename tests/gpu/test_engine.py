@@ -60,7 +60,7 @@ def result(name: str) -> dict:
 
 
 def log_of(name: str) -> str:
-    return (_chosen(name)[0] / f"{name}.log").read_text(errors="replace")
+    return scenarios.log_text(_chosen(name)[0], name)
 
 
 def records(data: dict) -> list[dict]:
