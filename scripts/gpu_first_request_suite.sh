@@ -60,7 +60,7 @@ stamp "pre-build: rc=$rc"
 stamp "first-request benchmark"
 bench_args=(--sides stock,FLASHINFER,FLASHINFER-warm,FLASH_ATTN --warm-cache "$prebuilt")
 [[ $compiled == 1 ]] || bench_args+=(--eager)
-python scripts/bench/first_request.py "${bench_args[@]}" --deadline $(( deadline - TESTS_RESERVE )) \
+python -m scripts.bench first_request "${bench_args[@]}" --deadline $(( deadline - TESTS_RESERVE )) \
   --cache-root "$caches/bench" --logs "$out/engines" --json "$out/bench-first-request.json" \
   > "$out/bench-first-request.log" 2>&1
 stamp "first-request benchmark: rc=$?"

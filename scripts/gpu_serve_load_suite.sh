@@ -31,5 +31,5 @@ deadline=$(( $(date +%s) + budget ))
   nproc
   env | grep -E '^(CUDA_HOME|MAX_JOBS|FLASHINFER_|VLLM_)' || true
 } > "$out/environment.txt" 2>&1
-python scripts/bench/serve_load.py --sides "$sides" "${extra[@]}" --deadline "$deadline" \
+python -m scripts.bench serve_load --sides "$sides" "${extra[@]}" --deadline "$deadline" \
   ${caches:+--cache-root "$caches"} --logs "$out/servers" --json "$out/serve-load.json" 2>&1 | tee "$out/serve-load.log"

@@ -40,7 +40,7 @@ stamp "no-sync check"
 python -m pytest tests/gpu/test_no_sync.py -q -rs --junitxml="$out/no-sync.xml" > "$out/no-sync.log" 2>&1
 stamp "no-sync check: rc=$?"
 stamp "step preparation"
-python scripts/bench/plan.py --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
+python -m scripts.bench plan --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
 stamp "step preparation: rc=$?"
 stamp "engine throughput"
 engine_args=()
@@ -48,14 +48,14 @@ if [[ -n $prev ]]; then
   engine_args=(--tree "prev=$prev" --sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER@prev --gpu-mem 0.2
     --compare FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock,FLASHINFER/FLASHINFER@prev)
 fi
-python scripts/bench/engine.py --reps 20 "${engine_args[@]}" --json "$out/bench-engine.json" > "$out/bench-engine.log" 2>&1
+python -m scripts.bench engine --reps 20 "${engine_args[@]}" --json "$out/bench-engine.json" > "$out/bench-engine.log" 2>&1
 stamp "engine throughput: rc=$?"
 if [[ $kernel == 1 ]]; then
   stamp "kernel benchmark"
-  python scripts/bench/kernel.py --rounds 3 --json "$out/bench-kernel.json" --plot "$out/bench-kernel.png" \
+  python -m scripts.bench kernel --rounds 3 --json "$out/bench-kernel.json" --plot "$out/bench-kernel.png" \
     > "$out/bench-kernel.log" 2>&1
   stamp "kernel benchmark: rc=$?"
 fi
 stamp "start-up profile"
-python scripts/bench/startup.py --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
+python -m scripts.bench startup --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
 stamp "start-up profile: rc=$?"

@@ -2,7 +2,7 @@
 # The whole GPU verification and benchmark run on a 2-GPU CUDA host, in one go:
 #   bash scripts/gpu_suite.sh [--quick] OUT_DIR          (or MLA_GPU_QUICK=1 bash scripts/gpu_suite.sh OUT_DIR)
 # First the sharp-attention checkpoint of the tiny DeepSeek-V2 is generated once, on the CPU
-# (tests/gpu/make_sharp_checkpoint.py, seeded; kept if OUT_DIR already has it): every engine
+# (scripts/gpu_harness/make_sharp_checkpoint.py, seeded; kept if OUT_DIR already has it): every engine
 # scenario compared with stock runs on it.
 # Full run: GPU 0 and GPU 1 each run a queue of single-GPU engine scenarios; GPU 1 also runs
 # the kernel numerics suite and the kernel benchmark; then the TP=2 scenarios take both GPUs;
@@ -24,11 +24,11 @@ cd "$(dirname "$0")/.."
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 MLA_GPU_RESULTS="$out/scenarios" HF_HUB_OFFLINE=1
 ckpt="$out/sharp-checkpoint"
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
-scenarios() { python -m tests.gpu.scenarios --results "$out/scenarios" --model-dir "$ckpt" "$@"; }
+scenarios() { python -m scripts.gpu_harness.scenarios --results "$out/scenarios" --model-dir "$ckpt" "$@"; }
 
 stamp "environment"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/nvidia-smi.txt"
 stamp "sharp checkpoint"
-if ! python tests/gpu/make_sharp_checkpoint.py "$ckpt" --seed 0 > "$out/checkpoint.log" 2>&1; then
+if ! python scripts/gpu_harness/make_sharp_checkpoint.py "$ckpt" --seed 0 > "$out/checkpoint.log" 2>&1; then
   stamp "the sharp checkpoint could not be generated: see $out/checkpoint.log"
   exit 1
 fi
@@ -48,7 +48,7 @@ else
     CUDA_VISIBLE_DEVICES=1 python -m pytest tests/gpu/test_kernels.py -q -rs --junitxml="$out/kernels.xml" \
       > "$out/kernels.log" 2>&1
     stamp "kernel benchmark"
-    CUDA_VISIBLE_DEVICES=1 python scripts/bench/kernel.py --json "$out/bench-kernel.json" \
+    CUDA_VISIBLE_DEVICES=1 python -m scripts.bench kernel --json "$out/bench-kernel.json" \
       --plot "$out/bench-kernel.png" > "$out/bench-kernel.log" 2>&1
     scenarios --gpus 1 --only shim-fi-eager,shim-fi-chunks,invalid-explicit
   ) > "$out/queue-gpu1.log" 2>&1 &
@@ -62,10 +62,10 @@ python -m pytest tests/gpu/test_engine.py -q -rs -s --junitxml="$out/engine.xml"
 tail -n 3 "$out/engine.log"
 if [[ $quick != 1 ]]; then
   stamp "engine benchmark table"
-  python scripts/bench/engine_scenarios.py --results "$out/scenarios" --json "$out/bench-engine.json" \
+  python -m scripts.bench engine_scenarios --results "$out/scenarios" --json "$out/bench-engine.json" \
     > "$out/bench-engine.log" 2>&1
   stamp "start-up benchmark"
-  python scripts/bench/startup.py --reps 3 --whole-process --json "$out/bench-startup.json" \
+  python -m scripts.bench startup --reps 3 --whole-process --json "$out/bench-startup.json" \
     > "$out/bench-startup.log" 2>&1
 fi
 stamp "done"

@@ -5,7 +5,6 @@ Its numbers come from the GPU host (scripts/gpu_first_request_suite.sh).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,19 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench import first_request as bench
+from scripts.bench import workload
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench" / "first_request.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_first_request", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load()
+BENCH = [sys.executable, "-m", "scripts.bench", "first_request"]  # run from ROOT
 
 
 def test_sides_parse_with_their_switches():
@@ -69,7 +60,7 @@ def test_the_wave_mixes_long_prompts_and_a_shared_prefix(wave):
     assert len(shared) == wave.requests // wave.share_every
     # Longer than a step's token budget (2048): prefilled in chunks over their own context.
     assert sum(len(p) > 2048 for p in prompts) >= wave.requests // 2
-    assert all(2 <= t < bench.VOCAB for p in prompts for t in p)
+    assert all(2 <= t < workload.VOCAB for p in prompts for t in p)
 
 
 def test_percentile_interpolates_between_ranks():
@@ -170,8 +161,7 @@ def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_pat
     out = tmp_path / "first.json"
     proc = subprocess.run(
         [
-            sys.executable,
-            str(SCRIPT),
+            *BENCH,
             "--sides",
             "stock,TORCH_SDPA",
             "--quick",
@@ -185,6 +175,7 @@ def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_pat
             "--side-timeout",
             "300",
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=660,
@@ -202,7 +193,8 @@ def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_pat
 def test_sides_past_the_deadline_are_skipped_not_started(tmp_path):
     out = tmp_path / "first.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sides", "stock,FLASHINFER", "--deadline", "1", "--json", str(out)],
+        [*BENCH, "--sides", "stock,FLASHINFER", "--deadline", "1", "--json", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.metadata
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench import MEASUREMENTS
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "bench"
-SCRIPTS = sorted(path.stem for path in BENCH.glob("*.py") if path.read_text().startswith("#!"))
+SCRIPTS = sorted(MEASUREMENTS)
 
 # The scripts time the patch's hooks on vLLM 0.20 objects and record vLLM 0.20.2 (skipped where the
 # add-on bridges a later vLLM).
@@ -22,7 +25,8 @@ pytestmark = pytest.mark.vllm_patch
 
 def run_bench(script: str, *args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / f"{script}.py"), *args],
+        [sys.executable, "-m", "scripts.bench", script, *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
@@ -32,15 +36,8 @@ def run_bench(script: str, *args: str, expect_rc: int = 0) -> subprocess.Complet
 
 
 def load_script(name: str):
-    """A script of scripts/bench as a module (its folder on sys.path, as when it runs)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    """A measurement of the scripts.bench package, as a module."""
+    return importlib.import_module(f"scripts.bench.{name}")
 
 
 def test_the_scripts_are_found():
@@ -53,7 +50,7 @@ def test_script_help_says_what_it_measures(script: str):
     docstring = source.split('"""')[1]
     proc = run_bench(script, "--help")
     assert docstring.splitlines()[0] in proc.stdout  # the job, in one line
-    assert f"python scripts/bench/{script}.py" in proc.stdout  # how to run it
+    assert f"python -m scripts.bench {script}" in proc.stdout  # how to run it
     assert "--json" in proc.stdout
 
 
@@ -157,3 +154,23 @@ def test_engine_bench_tables_ab_ratios_from_the_raw_seconds():
     assert summary["FLASHINFER/stock"] == {"median_of_points": 0.65, "min": 0.5, "max": 0.8}
     lines = bench.markdown(table, sides)
     assert lines[2].startswith("| 1024x2 | 2k (1-2k) |") and "FLASHINFER/stock 0.800; 0.800" in lines[2]
+
+
+def test_the_measurements_are_one_package():
+    """Every measurement is listed (python -m scripts.bench NAME), and the modules import each other
+    through the package, never by a bare name found on a sys.path entry."""
+    modules = {path.stem for path in BENCH.glob("*.py")}
+    runnable = {path.stem for path in BENCH.glob("*.py") if "\ndef main(" in path.read_text()}
+    assert runnable - {"__main__"} == set(MEASUREMENTS)
+    by_bare_name = {}
+    for path in BENCH.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            if hits := [name for name in names if name.split(".")[0] in modules]:
+                by_bare_name.setdefault(path.name, []).extend(hits)
+    assert not by_bare_name, by_bare_name

@@ -3,15 +3,9 @@ installed vLLM's own config classes): a typo in a scenario fails here, not after
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-
-import engine_runner
-import scenarios
+from scripts.gpu_harness import engine_runner, scenarios
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))

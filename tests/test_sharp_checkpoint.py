@@ -1,4 +1,4 @@
-"""The GPU suite's sharp-attention checkpoint (tests/gpu/make_sharp_checkpoint.py) loads into vLLM.
+"""The GPU suite's sharp-attention checkpoint (scripts/gpu_harness/make_sharp_checkpoint.py) loads into vLLM.
 
 CPU tests (they run in CI): vLLM's own ``DeepseekV2ForCausalLM`` is built and its own
 ``load_weights`` reads the checkpoint, with the strict "every parameter loaded" check
@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,9 @@ from unittest import mock
 import pytest
 import torch
 
-from mla_prefill_ext.testing import vllm_host as host
-
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-
-import make_sharp_checkpoint as msc
-
 from mla_prefill_ext import versions
+from mla_prefill_ext.testing import vllm_host as host
+from scripts.gpu_harness import make_sharp_checkpoint as msc
 
 
 @contextlib.contextmanager
@@ -83,7 +78,7 @@ def load_strictly(model: Any, cfg: Any, weights: Iterator[tuple[str, torch.Tenso
 
 
 def test_full_size_names_and_shapes_are_what_vllm_loads(clean_selection):
-    """The GPU suite's model (tests/gpu/tiny_deepseek_v2): every tensor name and shape."""
+    """The GPU suite's model (scripts/gpu_harness/tiny_deepseek_v2): every tensor name and shape."""
     shapes = msc.vllm_checkpoint_shapes(msc.transformers_parameter_shapes(msc.DEFAULT_CONFIG))
     model, cfg = vllm_model(msc.DEFAULT_CONFIG.parent, meta=True)
     load_strictly(

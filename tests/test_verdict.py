@@ -1,17 +1,13 @@
-"""The GPU suite's verdicts (tests/gpu/verdict.py) on made-up engine records."""
+"""The GPU suite's verdicts (scripts/gpu_harness/verdict.py) on made-up engine records."""
 
 from __future__ import annotations
 
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-
-import verdict
+from scripts.gpu_harness import verdict
 
 BOUND = verdict.BF16_NOISE_BOUND
 

@@ -1,8 +1,4 @@
-"""What the benchmark scripts share: the checkout's root, the run's environment, output and --help.
-
-Each script in this folder runs as ``python scripts/bench/NAME.py``, so this folder is first on
-``sys.path`` and ``import common`` finds this module.
-"""
+"""What the measurements share: the checkout's root, the run's environment, output and --help."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Engine prefill throughput: stock vLLM and the add-on's backends, side by side, interleaved.
 
-    python scripts/bench/engine.py [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
+    python -m scripts.bench engine [--sides stock,FLASH_ATTN,FLASHINFER] [--reps 7]
         [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
         [--tree LABEL=DIR --sides ...,FLASHINFER@LABEL --compare FLASHINFER/FLASHINFER@LABEL]
 
@@ -26,7 +25,7 @@ two versions of the add-on measured in one run, taking turns.
 Model (``--model``): by default DeepSeek-R1 as one GPU of TP=8 sees it
 (``scripts/bench/models/r1_tp8_slice``: 61 layers, 16 heads, hidden 7168, q_lora 1536,
 dense MLP 2304; its README says why), with vLLM's dummy weights (timing does not depend
-on the values). The GPU suite's tiny 4-layer model (``--model tests/gpu/tiny_deepseek_v2``)
+on the values). The GPU suite's tiny 4-layer model (``--model scripts/gpu_harness/tiny_deepseek_v2``)
 is host-bound: its single runs spread by +-25%. torch.compile + CUDA graphs by default,
 ``--eager`` without; vLLM's default scheduling (async scheduling as vLLM decides;
 recorded per side). Works on vLLM 0.20 (the patch) and 0.23+ (the bridge): the check
@@ -45,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-from common import ROOT
+from . import common
+from .common import ROOT
 
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
@@ -214,7 +213,7 @@ def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--model", type=Path, default=MODEL_DIR, help="model folder (config.json)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
@@ -233,7 +232,7 @@ def main() -> int:
         default="FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock",
         help="A/B ratios to report (of sides present)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.trees = {t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}
     sides = args.sides.split(",")
     pairs = [tuple(p.split("/", 1)) for p in args.compare.split(",")]

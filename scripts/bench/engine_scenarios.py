@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Engine prefill throughput the GPU suite's engine scenarios recorded, as one table: stock vs the add-on.
 
-    python scripts/bench/engine_scenarios.py --results OUT/scenarios [--json bench-engine.json]
+    python -m scripts.bench engine_scenarios --results OUT/scenarios [--json bench-engine.json]
 
-Reads what ``python -m tests.gpu.scenarios --bench`` recorded (one JSON file per scenario; see
+Reads what ``python -m scripts.gpu_harness.scenarios --bench`` recorded (one JSON file per scenario; see
 scripts/gpu_suite.sh): prompt tokens/s with ``max_tokens=1`` of ``stock`` (the add-on disabled),
 ``shim-fa`` (FLASH_ATTN) and ``shim-fi`` (FLASHINFER), each in its own engine lifetime, several
 repetitions per point. Nothing is measured here. For stock and the backends alive at once,
@@ -18,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
+from . import common
 
 SIDES = ("stock", "shim-fa", "shim-fi")
 
@@ -54,11 +53,11 @@ def engine_table(results: Path) -> dict[str, Any]:
     return {"results_dir": str(results), "ready_s": {n: data[n]["ready_s"] for n in SIDES}, "table": table}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--results", required=True, help="the scenarios' results folder")
     parser.add_argument("--json", help="write the table here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = common.record()
     out["engine"] = engine_table(Path(args.results))
     common.write_json(args.json, out)

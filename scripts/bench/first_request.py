@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """First requests after a fresh start: start-up time and first-wave latency, per backend and stock.
 
-    python scripts/bench/first_request.py [--sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm]
+    python -m scripts.bench first_request [--sides stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm]
         [--quick] [--eager] [--requests N] [--max-num-batched-tokens N] [--json out.json]
         [--logs DIR] [--cache-root DIR] [--warm-cache DIR] [--flashinfer-cache DIR]
         [--keep-host-caches]
@@ -20,7 +19,7 @@ them (faster, but then a later side reuses what an earlier one compiled); ``--fl
 DIR`` gives every side that one FlashInfer cache instead of a fresh one.
 
 Engine: ``AsyncLLM`` (the engine ``vllm serve`` runs, without the HTTP server) on the tiny
-DeepSeek-V2 of the GPU suite (``tests/gpu/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
+DeepSeek-V2 of the GPU suite (``scripts/gpu_harness/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
 no tokenizer (prompts are token ids), prefix caching on, and a small ``max_num_batched_tokens``
 so that long prompts prefill in chunks over their own earlier tokens: context chunks from the
 first requests on. torch.compile and CUDA graphs unless ``--eager``.
@@ -44,125 +43,36 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / "tests" / "gpu" / "tiny_deepseek_v2"
-VOCAB = 32000
-MAX_TOKENS = 8
-WARM_SUFFIX = "-warm"
+from . import common
+from .sides import (
+    SIDE_ENV,
+    Side,
+    add_side_arguments,
+    cache_env,
+    failed_cells,
+    markdown_table,
+    modules_in_cache,
+    parse_sides,
+    percentile,
+    run_child,
+    side_env,
+    time_for_side,
+)
+from .workload import MAX_TOKENS, MODEL_DIR, QUICK_WAVE, Wave, make_wave
+
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
-SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
 MIN_SIDE_S = 45.0  # a side given less than this before --deadline is skipped, not started
 
 
-@dataclass(frozen=True)
-class Wave:
-    """The first wave's shape: how many requests, their prompt lengths, the shared prefix."""
-
-    requests: int = 64
-    min_len: int = 100
-    max_len: int = 12000
-    prefix_len: int = 6000
-    share_every: int = 4  # every fourth request starts with the shared prefix
-    seed: int = 0
-
-
-QUICK_WAVE = Wave(requests=16, max_len=6000, prefix_len=3000)
-
-
-@dataclass(frozen=True)
-class Side:
-    """One engine lifetime: ``stock``, a backend name, or a backend with a warm FlashInfer cache."""
-
-    label: str
-    backend: str | None  # None: stock (the add-on disabled)
-    warm: bool = False
-
-
 # --- pure parts (unit-tested on the CPU) -----------------------------------------------------
-
-
-def parse_sides(text: str, warm_cache_given: bool = False) -> list[Side]:
-    """``stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm`` -> sides; a warm side needs its cache's source."""
-    sides: list[Side] = []
-    for raw in text.split(","):
-        label = raw.strip()
-        if not label:
-            raise ValueError(f"empty side in {text!r}")
-        if label.lower() == "stock":
-            side = Side("stock", None)
-        elif label.endswith(WARM_SUFFIX):
-            backend = label[: -len(WARM_SUFFIX)].upper()
-            if not warm_cache_given and not any(s.backend == backend and not s.warm for s in sides):
-                raise ValueError(
-                    f"side {label!r} reuses the FlashInfer cache of an earlier side {backend!r}: "
-                    "list that side first, or give --warm-cache DIR"
-                )
-            side = Side(f"{backend}{WARM_SUFFIX}", backend, warm=True)
-        else:
-            side = Side(label.upper(), label.upper())
-        if any(s.label == side.label for s in sides):
-            raise ValueError(f"side {side.label!r} listed twice")
-        sides.append(side)
-    return sides
-
-
-def side_env(side: Side) -> dict[str, str]:
-    """The add-on's switches for a side's process (every other one of them removed)."""
-    return {"MLA_PREFILL_EXT_DISABLE": "1"} if side.backend is None else {"MLA_PREFILL_BACKEND": side.backend}
-
-
-def cache_env(flashinfer: Path, host: Path | None) -> dict[str, str]:
-    """Where a side's process keeps FlashInfer's JIT cache, and vLLM's and Triton's (None: the host's)."""
-    env = {"FLASHINFER_WORKSPACE_BASE": str(flashinfer)}
-    if host is not None:
-        env.update(VLLM_CACHE_ROOT=str(host / "vllm"), TRITON_CACHE_DIR=str(host / "triton"))
-    return env
-
-
-def make_wave(wave: Wave) -> list[list[int]]:
-    """The first wave's prompts (token ids), the same for every side."""
-    rng = random.Random(wave.seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(2, VOCAB) for _ in range(n)]
-
-    prefix = tokens(wave.prefix_len)
-    prompts = []
-    for i in range(wave.requests):
-        if i % wave.share_every == 0:
-            prompts.append(prefix + tokens(rng.randint(wave.min_len, wave.max_len - wave.prefix_len)))
-        else:
-            prompts.append(tokens(rng.randint(wave.min_len, wave.max_len)))
-    return prompts
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def modules_in_cache(base: Path) -> list[str]:
-    """FlashInfer JIT modules compiled into the cache under ``base`` (a FLASHINFER_WORKSPACE_BASE)."""
-    root = base / ".cache" / "flashinfer"
-    if not root.is_dir():
-        return []
-    return sorted({so.parent.name for so in root.glob("*/*/cached_ops/*/*.so") if so.stem == so.parent.name})
 
 
 def mapped_modules(maps: str, dirs: list[str]) -> list[str]:
@@ -217,23 +127,38 @@ def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| side | FlashInfer cache | up after | of it, prefill warm-up | first wave p50 | p99 | max "
-        "| p99 / stock | FlashInfer modules loaded during the wave |",
-        "| --- " * 9 + "|",
+COLUMNS = (
+    "side",
+    "FlashInfer cache",
+    "up after",
+    "of it, prefill warm-up",
+    "first wave p50",
+    "p99",
+    "max",
+    "p99 / stock",
+    "FlashInfer modules loaded during the wave",
+)
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    """One side's row of the table."""
+    if not r["ok"]:
+        return failed_cells(r)
+    return [
+        r["side"],
+        r["flashinfer_cache"],
+        f"{r['up_after_s']:.0f} s",
+        f"{r['warmup_s']:.1f} s",
+        f"{r['p50_s']:.2f} s",
+        f"{r['p99_s']:.2f} s",
+        f"{r['max_s']:.2f} s",
+        f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-",
+        ", ".join(r["modules_loaded_in_wave"]) or "none",
     ]
-    for r in rows:
-        if not r["ok"]:
-            lines.append(f"| {r['side']} | failed: {r['error']} |" + " |" * 7)
-            continue
-        ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
-        loaded = ", ".join(r["modules_loaded_in_wave"]) or "none"
-        lines.append(
-            f"| {r['side']} | {r['flashinfer_cache']} | {r['up_after_s']:.0f} s | {r['warmup_s']:.1f} s "
-            f"| {r['p50_s']:.2f} s | {r['p99_s']:.2f} s | {r['max_s']:.2f} s | {ratio} | {loaded} |"
-        )
-    return lines
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    return markdown_table(COLUMNS, map(cells, rows))
 
 
 # --- inside a worker (collective_rpc) ------------------------------------------------------
@@ -367,34 +292,6 @@ def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a side's process and every process under it: vLLM's engine core runs in a process of its
-    own, and must not hold the GPU for the next side."""
-    import psutil  # comes with vLLM
-
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:  # already gone (and reaped): its children were re-parented or are gone
-        children = []
-    for child in children:
-        child.kill()
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-def run_child(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
-    """Run one side's process; its exit status, or None when it ran out of time (then its whole tree is
-    killed, :func:`kill_tree`)."""
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            return proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            return None
-
-
 def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     filled: dict[str, Path] = {}  # backend -> the FlashInfer cache its cold side filled
@@ -419,7 +316,10 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         )
         out = cache_root / f"{n}-{side.label}.json"
         log = Path(args.logs) / f"{side.label}.log" if args.logs else cache_root / f"{side.label}.log"
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", side.label, "--out", str(out)]
+        # The side's process runs this module again (``--child``), from the same checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "scripts.bench", "first_request", "--child", side.label]
+        command += ["--out", str(out)]
         command += [
             "--max-num-batched-tokens",
             str(args.max_num_batched_tokens),
@@ -431,13 +331,9 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": state}
         raw["flashinfer_cache"] = str(flashinfer)
         raw["cache_before"] = modules_in_cache(flashinfer)
-        limit = args.side_timeout
-        if args.deadline is not None:
-            limit = min(limit, args.deadline - time.time())
-        if limit < MIN_SIDE_S:
-            raw.update(
-                ok=False, returncode=None, error=f"skipped: {max(limit, 0):.0f} s left before the deadline"
-            )
+        limit, skipped = time_for_side(args, MIN_SIDE_S)
+        if skipped is not None:
+            raw.update(ok=False, returncode=None, error=skipped)
             results.append(raw)
             print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {raw['error']}", flush=True)
             continue
@@ -487,11 +383,7 @@ def header(args: argparse.Namespace, sides: list[Side]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # As scripts/bench/common.parser (this script is also loaded by path, without its folder on sys.path).
-    first, _, rest = __doc__.strip().partition("\n")
-    parser = argparse.ArgumentParser(
-        description=first, epilog=rest.strip("\n"), formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser(__doc__)
     parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, backend names, NAME-warm")
     parser.add_argument("--quick", action="store_true", help="a smaller first wave (16 requests, shorter)")
     parser.add_argument(
@@ -500,17 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, help="first-wave requests (default 64, --quick 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
-    parser.add_argument("--json", help="write the raw results and the table here")
-    parser.add_argument("--logs", help="folder for each side's engine log (default: the cache root)")
-    parser.add_argument("--cache-root", help="folder for the sides' caches (default: a temporary one)")
+    add_side_arguments(parser, side_timeout=480.0, what_logs="engine")
     parser.add_argument("--warm-cache", help="FlashInfer cache (a FLASHINFER_WORKSPACE_BASE) for -warm sides")
     parser.add_argument("--flashinfer-cache", help="one FlashInfer cache for every other side")
     parser.add_argument(
         "--keep-host-caches", action="store_true", help="vLLM's and Triton's caches as the host has them"
-    )
-    parser.add_argument("--side-timeout", type=float, default=480.0, help="seconds one side may take")
-    parser.add_argument(
-        "--deadline", type=float, help="epoch seconds: no side runs past it; sides without time are skipped"
     )
     parser.add_argument("--child", metavar="SIDE", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

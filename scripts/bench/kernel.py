@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Kernel level: each backend's TFLOP/s next to the same kernel called directly, and the fastest per shape.
 
-    python scripts/bench/kernel.py [--json out.json] [--plot out.png] [--quick] [--rounds 5]
+    python -m scripts.bench kernel [--json out.json] [--plot out.png] [--quick] [--rounds 5]
         [--backends FLASH_ATTN,FLASHINFER,TORCH_SDPA] [--dims r1|non-r1|all] [--device auto|cuda|cpu]
 
 TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk after
@@ -22,8 +21,8 @@ import sys
 import time
 from typing import Any
 
-import common
-from kernel_tables import NON_R1, R1, fastest_per_shape, plot
+from . import common
+from .kernel_tables import NON_R1, R1, fastest_per_shape, plot
 
 KERNEL_BACKENDS = "FLASH_ATTN,FLASHINFER,TORCH_SDPA"
 
@@ -199,7 +198,7 @@ def bench_kernels(
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the plot (PNG) here")
@@ -213,7 +212,7 @@ def main() -> int:
         default="auto",
         help="auto: the GPU if there is one; cpu: the smoke case, as on a machine without a GPU",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     common.use_this_checkout()
     import torch

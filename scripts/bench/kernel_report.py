@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The kernel benchmark's results, tables and plot rebuilt from the rows a kernel.py run printed.
 
-    python scripts/bench/kernel_report.py --kernel-log bench-kernel.log [--json out.json]
+    python -m scripts.bench kernel_report --kernel-log bench-kernel.log [--json out.json]
         [--plot out.png] [--markdown tables.md]
 
 kernel.py prints one JSON row per backend, op and shape as it measures; a run that stopped
@@ -17,19 +16,19 @@ import os
 import sys
 from pathlib import Path
 
-import common
-from kernel_tables import fastest_per_shape, markdown, plot
+from . import common
+from .kernel_tables import fastest_per_shape, markdown, plot
 
 SELECTION_CAPABILITY = (9, 0)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--kernel-log", required=True, help="the log of a kernel.py run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the plot (PNG) here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     common.use_this_checkout()
     from vllm.platforms.interface import DeviceCapability

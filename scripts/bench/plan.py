@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Host time of one step's preparation (``prepare_metadata``) per backend, on a CUDA device.
 
-    python scripts/bench/plan.py [--steps 200] [--busy-ms 2] [--json out.json]
+    python -m scripts.bench plan [--steps 200] [--busy-ms 2] [--json out.json]
 
 What each backend does once per step and per metadata builder before the layers run
 (FlashInfer plans its wrappers, TRT-LLM copies the chunk lengths, FLASH_ATTN builds its
@@ -27,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-import common
 import torch
 
 from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
 from mla_prefill_ext.registry import MLAPrefillBackendEnum
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig, current_device_capability
 from mla_prefill_ext.testing.problem import make_problem
+
+from . import common
 
 BACKENDS = ["FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TORCH_SDPA"]
 SHAPES = {"4x1024 new": ([1024] * 4, None), "4x1024 new + 4x4096 context, 4 chunks": ([1024] * 4, [4096] * 4)}
@@ -58,12 +58,12 @@ def with_host_copies(problem, memory: str):
     return md
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--steps", type=int, default=200, help="timed steps per backend, shape and variant")
     parser.add_argument("--busy-ms", type=float, default=2.0, help="GPU work queued before a busy step")
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("plan.py needs a CUDA device")
     # Cycles for --busy-ms, from one calibration run of torch.cuda._sleep.

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Load on a real ``vllm serve`` after a fresh start: up-time, errors, throughput, latency per side.
 
-    python scripts/bench/serve_load.py [--sides stock,FLASHINFER,FLASH_ATTN] [--requests 2000]
+    python -m scripts.bench serve_load [--sides stock,FLASHINFER,FLASH_ATTN] [--requests 2000]
         [--clients 64] [--eager] [--json out.json] [--logs DIR] [--cache-root DIR] [--port 8731]
         [--max-num-batched-tokens N] [--gpu-mem 0.5] [--side-timeout S] [--deadline EPOCH]
 
@@ -39,7 +38,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,21 +48,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import common
-from first_request import (
-    MAX_TOKENS,
-    MODEL_DIR,
+from . import common
+from .sides import (
     SIDE_ENV,
     Side,
-    Wave,
+    add_side_arguments,
     cache_env,
-    kill_tree,
-    make_wave,
+    failed_cells,
+    markdown_table,
     modules_in_cache,
     parse_sides,
     percentile,
     side_env,
+    stop_server,
+    time_for_side,
 )
+from .workload import MAX_TOKENS, MODEL_DIR, Wave, make_wave
 
 DEFAULT_SIDES = "stock,FLASHINFER,FLASH_ATTN"
 SERVED_NAME = "tiny-deepseek-v2"
@@ -151,24 +150,42 @@ def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| side | FlashInfer cache | up after | errors | prompt tokens/s | latency p50 | p99 | max "
-        "| first wave p99 | p99 / stock | FlashInfer modules built after ready |",
-        "| --- " * 11 + "|",
+COLUMNS = (
+    "side",
+    "FlashInfer cache",
+    "up after",
+    "errors",
+    "prompt tokens/s",
+    "latency p50",
+    "p99",
+    "max",
+    "first wave p99",
+    "p99 / stock",
+    "FlashInfer modules built after ready",
+)
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    """One side's row of the table."""
+    if "p99_s" not in r:
+        return failed_cells(r)
+    return [
+        r["side"],
+        r["flashinfer_cache"],
+        f"{r['up_after_s']:.0f} s",
+        f"{r['errors']} of {r['requests']}",
+        f"{r['prompt_tokens_per_s']:,.0f}",
+        f"{r['p50_s']:.2f} s",
+        f"{r['p99_s']:.2f} s",
+        f"{r['max_s']:.2f} s",
+        f"{r['first_wave_p99_s']:.2f} s",
+        f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-",
+        ", ".join(r["modules_built_after_ready"]) or "none",
     ]
-    for r in rows:
-        if "p99_s" not in r:
-            lines.append(f"| {r['side']} | failed: {r['error']} |" + " |" * 9)
-            continue
-        ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
-        built = ", ".join(r["modules_built_after_ready"]) or "none"
-        lines.append(
-            f"| {r['side']} | {r['flashinfer_cache']} | {r['up_after_s']:.0f} s "
-            f"| {r['errors']} of {r['requests']} | {r['prompt_tokens_per_s']:,.0f} | {r['p50_s']:.2f} s "
-            f"| {r['p99_s']:.2f} s | {r['max_s']:.2f} s | {r['first_wave_p99_s']:.2f} s | {ratio} | {built} |"
-        )
-    return lines
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    return markdown_table(COLUMNS, map(cells, rows))
 
 
 def claim_problem(side: Side, log_text: str) -> str | None:
@@ -248,26 +265,13 @@ def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float) -> float | N
     return None
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT (vLLM's own shutdown), then whatever is left of its tree killed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    kill_tree(proc)
-
-
 def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list[int]]) -> dict[str, Any]:
     home = cache_root / f"{n}-{side.label}"
     flashinfer = home / "flashinfer"
     raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": "cold"}
-    limit = args.side_timeout
-    if args.deadline is not None:
-        limit = min(limit, args.deadline - time.time())
-    if limit < MIN_SIDE_S:
-        raw.update(ok=False, error=f"skipped: {max(limit, 0):.0f} s left before the deadline")
+    limit, skipped = time_for_side(args, MIN_SIDE_S)
+    if skipped is not None:
+        raw.update(ok=False, error=skipped)
         return raw
     env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
     env.update(side_env(side))
@@ -328,18 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's own")
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="--gpu-memory-utilization")
     parser.add_argument("--port", type=int, default=8731)
-    parser.add_argument("--json", help="write the raw results and the table here")
-    parser.add_argument("--logs", help="folder for each side's server log (default: the cache root)")
-    parser.add_argument("--cache-root", help="folder for the sides' caches (default: a temporary one)")
-    parser.add_argument("--side-timeout", type=float, default=540.0, help="seconds one side may take")
-    parser.add_argument("--deadline", type=float, help="epoch seconds: no side runs past it")
+    add_side_arguments(parser, side_timeout=540.0, what_logs="server")
     args = parser.parse_args(argv)
     try:
         sides = parse_sides(args.sides, warm_cache_given=True)  # warm sides are refused just below
     except ValueError as e:
         parser.error(str(e))
     if any(s.warm for s in sides):
-        parser.error("warm sides are first_request.py's: every side here starts with cold caches")
+        parser.error("warm sides are first_request's: every side here starts with cold caches")
     prompts = make_wave(Wave(requests=args.requests))
     temporary = args.cache_root is None
     cache_root = Path(tempfile.mkdtemp(prefix="bench-serve-load-")) if temporary else Path(args.cache_root)

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Where the add-on's start-up time goes, and what it costs with and without compiled bytecode.
 
-    python scripts/bench/startup.py [--reps 7] [--tree LABEL=DIR ...] [--whole-process] [--json out.json]
+    python -m scripts.bench startup [--reps 7] [--tree LABEL=DIR ...] [--whole-process] [--json out.json]
 
 Every measurement runs in a fresh process that has already imported vLLM (untimed) and
 times, from inside, ``import mla_prefill_ext; activate()`` and then the patch applied
@@ -40,8 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common
-from common import ROOT
+from . import common
+from .common import ROOT
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 MARK = "--- after vllm ---"
@@ -181,7 +180,7 @@ def source_copy(tree: Path, scratch: Path, label: str) -> Path:
     return dest
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per variant")
     parser.add_argument(
@@ -194,7 +193,7 @@ def main() -> int:
         "--whole-process", action="store_true", help="also time whole processes: import vllm, plugins"
     )
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     trees = {"this": ROOT} | dict((t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.tree)
 
     import wrapt

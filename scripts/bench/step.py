@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Per-step host cost of the add-on's preparation and prefill hooks, for 1 and for 61 MLA layers (CPU).
 
-    python scripts/bench/step.py [--json out.json] [--markdown tables.md] [--layers 1,61]
+    python -m scripts.bench step [--json out.json] [--markdown tables.md] [--layers 1,61]
         [--steps 200] [--step-rounds 20] [--warmup 5] [--backends TORCH_SDPA,FLASH_ATTN,...]
 
 Runs on a CPU, on real vLLM objects (mla_prefill_ext.testing.vllm_host): vLLM's DeepseekV2
@@ -23,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import common
-from step_timing import STEP_CAPABILITY, STEP_CONTEXT_CHUNKS, STEP_PREFILLS, step_one_backend
+from . import common
+from .step_timing import STEP_CAPABILITY, STEP_CONTEXT_CHUNKS, STEP_PREFILLS, step_one_backend
 
 STEP_BACKENDS = "TORCH_SDPA,FLASH_ATTN,FLASHINFER,TRTLLM_RAGGED"
 STEP_TARGET_RATIO = 1.2  # the add-on's preparation for the most layers vs for the fewest
@@ -147,7 +146,7 @@ def bench_step(args: Any, names: list[str], layer_counts: list[int]) -> dict[str
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
@@ -158,7 +157,7 @@ def main() -> int:
     parser.add_argument(
         "--step-rounds", type=int, default=20, help="blocks the steps are split into (interleaved)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layer_counts = sorted({int(n) for n in args.layers.split(",")})
     names = args.backends.split(",")
     unknown = [n for n in names if n not in STEP_CAPABILITY]

@@ -13,7 +13,7 @@ from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
 
-import common
+from . import common
 
 # The device each backend is built for: the CPU itself for the portable backend, else only the
 # device facts of a GPU that runs it (vllm_host.gpu_view), every vLLM object staying real.

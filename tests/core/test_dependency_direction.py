@@ -408,13 +408,13 @@ def imports_of_the_test_suite(source: str, suite: set[str]) -> list[str]:
 
 def test_the_scripts_check_sees_every_form_of_import():
     suite = suite_modules()
-    assert {"tests", "conftest", "custom_backends", "scenarios"} <= suite
+    assert {"tests", "conftest", "custom_backends", "mutant_backends"} <= suite
     for source in (
         "from tests.gpu import scenarios",
         "import tests.gpu.scenarios",
         "import custom_backends",
         "def f():\n    import custom_backends",
-        "from scenarios import run_all",
+        "from mutant_backends import ScaleOffBackend",
         "import importlib\nimportlib.import_module('tests.gpu.scenarios')",
     ):
         assert imports_of_the_test_suite(source, suite), source

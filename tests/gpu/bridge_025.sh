@@ -4,7 +4,7 @@
 # exist). Writes everything under RESULTS (default /tmp/bridge-025):
 #   info.txt             `mla-prefill-ext info` (exit 0: the mode, the bridge, vLLM's registry)
 #   kernels.txt          the kernel suite and the conformance suite on the GPU (version-independent)
-#   <scenario>.json/.log one engine lifetime each (tests/gpu/scenarios.py) on the sharp checkpoint
+#   <scenario>.json/.log one engine lifetime each (scripts/gpu_harness/scenarios.py) on the sharp checkpoint
 #   verdicts.txt         tests/gpu/test_bridge_engine.py over those results
 # GPUS=0,1 runs single-GPU scenarios in parallel; ONLY=a,b runs those scenarios alone (the verdicts of
 # the others skip); KERNELS=0 leaves out the kernel and conformance suites. Set CUDA_HOME and MAX_JOBS for FlashInfer's JIT build.
@@ -24,7 +24,7 @@ if [[ ${KERNELS:-1} == 1 ]]; then  # KERNELS=0: the engine scenarios alone (the 
     > "$results/kernels.txt" 2>&1
   echo "kernels and conformance: exit $? ($(tail -1 "$results/kernels.txt"))"
 fi
-python -m tests.gpu.scenarios --results "$results" --gpus "${GPUS:-0}" --only \
+python -m scripts.gpu_harness.scenarios --results "$results" --gpus "${GPUS:-0}" --only \
   "${ONLY:-stock,stock-eager,stock-chunks,shim-fa,shim-fa-chunks,shim-fi,shim-fi-chunks,shim-sdpa,shim-sdpa-eager,custom-spawn,mutant-scale,mutant-lse2}"
 if [[ -n ${ONLY:-} ]]; then  # the verdicts would run the missing scenarios on demand
   echo "verdicts: not run (ONLY); replay with earlier results: MLA_GPU_RESULTS=EARLIER:$results" \

@@ -2,7 +2,7 @@
 
 Run by tests/gpu/bridge_025.sh on a GPU host with vLLM 0.25.1 installed (vLLM 0.33 needs a
 PyTorch the GPU host does not have: the CPU suite is its proof). The scenarios are those of
-the 0.20 suite (tests/gpu/scenarios.py); ``stock`` is vLLM 0.25.1 with the add-on disabled,
+the 0.20 suite (scripts/gpu_harness/scenarios.py); ``stock`` is vLLM 0.25.1 with the add-on disabled,
 so its MLA prefill is vLLM's own FLASH_ATTN backend. The verdicts:
 
 * the add-on's FLASH_ATTN, chosen by ``MLA_PREFILL_BACKEND`` alone, gives vLLM's own
@@ -23,7 +23,7 @@ import functools
 
 import pytest
 
-from tests.gpu import verdict
+from scripts.gpu_harness import verdict
 from tests.gpu.test_engine import check, log_of, result
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Deployments on the GPU host: a Ray cluster started beforehand, and an installed backend package.
 
-Reads the results of ``python -m tests.gpu.session multi`` / ``single`` from
+Reads the results of ``python -m scripts.gpu_harness.session multi`` / ``single`` from
 ``MLA_GPU_RESULTS`` (skipped where a scenario was not run). The Ray cluster was
 started from an environment with none of the add-on's variables, so only what vLLM
 copies to its Ray workers reaches them, as on a second node.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu import scenarios, verdict
+from scripts.gpu_harness import scenarios, verdict
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ def outputs(name: str) -> list[dict]:
 
 
 def worker_pids(name: str, text: str) -> set[int]:
-    log = (_found(name)[0] / f"{name}.log").read_text(errors="replace")
+    log = scenarios.log_text(_found(name)[0], name)
     return {int(m.group(1)) for m in WORKER_LINE.finditer(log) if text in m.group(2)}
 
 
@@ -72,7 +72,7 @@ def test_disable_switch_reaches_both_ray_workers():
     assert worker_pids("stock-ray", "Using FlashAttention prefill for MLA")
     # ...and no worker built an add-on backend, where custom-ray and fi-ray show one per worker.
     assert not worker_pids("stock-ray", "MLA prefill backend (")
-    log = (_found("stock-ray")[0] / "stock-ray.log").read_text(errors="replace")
+    log = scenarios.log_text(_found("stock-ray")[0], "stock-ray")
     assert (
         "MLA_PREFILL_EXT_DISABLE"
         in log.split("Copying the following environment variables to workers")[1][:1000]
@@ -92,7 +92,7 @@ def test_installed_package_is_selected_by_its_claim():
     data = result("example-auto")
     calls = data.get("custom_calls")
     assert calls and calls["lines"] > 0 and data["pid"] not in calls["pids"], calls
-    log = (_found("example-auto")[0] / "example-auto.log").read_text(errors="replace")
+    log = scenarios.log_text(_found("example-auto")[0], "example-auto")
     assert "Using EXAMPLE MLA prefill backend (auto-selected" in log
     assert "EXAMPLE joined automatic selection by its claim" in log
     # It delegates to FLASH_ATTN on Hopper: the same kernel as stock.

@@ -1,10 +1,10 @@
 """End-to-end parity with stock vLLM 0.20.2 on the tiny DeepSeek-V2 (sharp-attention weights).
 
-Each scenario is one engine lifetime (tests/gpu/scenarios.py). With MLA_GPU_RESULTS
-pointing at a folder that ``python -m tests.gpu.scenarios`` filled, the tests read
+Each scenario is one engine lifetime (scripts/gpu_harness/scenarios.py). With MLA_GPU_RESULTS
+pointing at a folder that ``python -m scripts.gpu_harness.scenarios`` filled, the tests read
 the results from there; otherwise they run the scenarios they need, one by one.
 
-Every comparison is a verdict (tests/gpu/verdict.py): ``identical`` where the same
+Every comparison is a verdict (scripts/gpu_harness/verdict.py): ``identical`` where the same
 kernel runs on both sides (the add-on's FLASH_ATTN, the CUSTOM counting backend that
 delegates to it), ``bf16_noise`` for FLASHINFER. The mutation scenarios prove that
 these verdicts can fail: a backend with the softmax scale 2% off, and one returning a
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu import engine_runner, scenarios, verdict
+from scripts.gpu_harness import engine_runner, scenarios, verdict
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def result(name: str) -> dict:
 
 
 def log_of(name: str) -> str:
-    return (_chosen(name)[0] / f"{name}.log").read_text(errors="replace")
+    return scenarios.log_text(_chosen(name)[0], name)
 
 
 def records(data: dict) -> list[dict]:

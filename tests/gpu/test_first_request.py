@@ -1,6 +1,6 @@
 """A FLASHINFER engine builds or loads its prefill kernels before it reports ready, none at its first steps.
 
-Two engine lifetimes of ``scripts/bench/first_request.py`` (``--quick --eager``): FLASHINFER, and
+Two engine lifetimes of ``python -m scripts.bench first_request`` (``--quick --eager``): FLASHINFER, and
 the same backend with no warm-up declared (``mutant_backends.FlashInferWithoutWarmup`` as CUSTOM),
 which must fail the same check. The signal is FlashInfer's own: the JIT modules mapped in the
 engine's worker process (``/proc/self/maps``, under FlashInfer's JIT and AOT folders) and the cache
@@ -41,15 +41,10 @@ def first_wave(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     out = tmp / "first-request.json"
     logs = Path(os.environ.get("MLA_FIRST_REQUEST_LOGS") or tmp / "logs")
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench" / "first_request.py"),
-        "--sides",
-        "FLASHINFER,CUSTOM",
-    ]
+    command = [sys.executable, "-m", "scripts.bench", "first_request", "--sides", "FLASHINFER,CUSTOM"]
     command += ["--quick", "--eager", "--flashinfer-cache", cache, "--json", str(out), "--logs", str(logs)]
     command += ["--keep-host-caches"]  # vLLM's own caches play no part in what is checked here
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     data = json.loads(out.read_text())
     sides = {side["side"]: side for side in data["sides"]}

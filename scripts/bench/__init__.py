@@ -1,0 +1,24 @@
+"""The project's benchmarks, one module per measurement, run from the checkout's root:
+
+    python -m scripts.bench NAME [flags]       # python -m scripts.bench NAME --help: what it measures
+
+docs/benchmarks.md has the commands and the recorded results. The measurements share
+``common`` (the run's environment, its JSON, --help from the docstring), ``sides`` (the runner of
+side-by-side engine lifetimes: switches, cold caches, process control, tables) and ``workload``
+(the first-request load).
+"""
+
+from __future__ import annotations
+
+# Each measurement: its module in this package (main(argv) runs it) and what it measures.
+MEASUREMENTS = {
+    "kernel": "each backend's TFLOP/s next to the bare kernel, and the fastest per shape",
+    "kernel_report": "the kernel benchmark's tables and plot, rebuilt from a run's log",
+    "step": "per-step host cost of the preparation and the prefill hooks (CPU)",
+    "plan": "host time of one step's preparation per backend, GPU idle and busy",
+    "engine": "engine prefill throughput: stock and the backends, side by side, interleaved",
+    "engine_scenarios": "the throughput the GPU suite's engine scenarios recorded, as one table",
+    "startup": "where the add-on's start-up time goes, with and without bytecode",
+    "first_request": "start-up time and first-wave latency after a fresh start, per side",
+    "serve_load": "load on a real `vllm serve` after a fresh start, per side",
+}

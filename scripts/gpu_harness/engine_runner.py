@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""Runs one vLLM 0.20 engine scenario on the tiny DeepSeek-V2 and writes its results as JSON.
+
+A scenario is one engine lifetime in a fresh process (so that the add-on's
+environment switches reach vLLM's child processes as they would for a user):
+
+    python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
+        [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks] \\
+        [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench]
+
+Weights: ``sharp`` (default) loads the seeded sharp-attention checkpoint
+(scripts/gpu_harness/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
+cache folder when no folder is given; on those weights a wrong prefill backend changes
+logprobs and tokens. ``dummy`` is vLLM's ``load_format="dummy"`` (uniform +-1e-3: attention
+is uniform and almost any backend gives the same tokens), kept for start-up-only scenarios.
+
+Prompt sets, greedy, ``MAX_TOKENS`` tokens each, and per prompt the tokens, the chosen
+tokens' logprobs and the top-2 logprobs at each position (``logprobs=2``: verdicts
+tell near-ties from real flips, see verdict.py):
+
+* ``parity``: a batch that takes every prefill path (plain, chunked prefill over prior
+  context) and a prefix-cache hit;
+* ``chunks``: an 8192-token prompt (fills the prefix cache), then a 12288-token prompt
+  sharing its first 8192 tokens (one step of 4096 new tokens over 8192 cached ones),
+  then a fresh 10000-token prompt (chunked prefill over its own context).
+
+``--context-chunk-tokens N`` (test-only) lowers the MLA metadata builder's
+chunked-context workspace to N tokens, so that context is processed in chunks of N
+tokens (divided among the requests with context): with N = 2048 the 12288-token prompt
+merges 4 context chunks in one step. It wraps ``MLACommonMetadataBuilder.__init__`` (and
+``build``, to record the chunks) with wrapt in this process before ``LLM(...)``; vLLM's
+engine core process inherits the wrapper because vLLM 0.20 starts it with ``fork`` (its
+default, unless CUDA is already initialized here or VLLM_WORKER_MULTIPROC_METHOD=spawn:
+a spawned process re-imports vLLM unwrapped). The wrapper writes what it did to a file
+from inside the engine process, and the run fails unless that evidence comes from a
+process other than this one.
+
+With ``--bench``: prefill throughput (prompt tokens/s, ``max_tokens=1``) for a grid of shapes.
+
+Room for more executors: the ``LLM(...)`` arguments are built in :func:`llm_kwargs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODEL_DIR = HERE / "tiny_deepseek_v2"  # config only: dummy weights
+EXAMPLES = HERE.parent.parent / "examples"
+# The mutation scenarios' backends (mutant_backends.py) are test doubles: they live with the tests.
+TEST_DOUBLES = HERE.parent.parent / "tests" / "gpu"
+MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
+SHARP_SEED = 0
+CHECKPOINT_DIR_ENV = "MLA_SHARP_CHECKPOINT_DIR"
+
+MAX_NUM_BATCHED_TOKENS = 4096  # prompts longer than this prefill in chunks over prior context
+PARITY_PROMPT_LENS = [6000, 4500, 1200, 700]
+PREFIX_SHARED, PREFIX_NEW = 4096, 1000  # a second request reusing 4096 cached tokens
+CHUNKS_PREFIX, CHUNKS_NEW, CHUNKS_FRESH = 8192, 4096, 10000
+MAX_TOKENS = 16
+TOP_LOGPROBS = 2
+BENCH_GRID = [(1024, 1), (1024, 16), (4096, 1), (4096, 8), (8192, 4)]
+BENCH_REPS = 5
+VOCAB = 32000
+
+
+def prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def default_checkpoint_dir() -> Path:
+    env = os.environ.get(CHECKPOINT_DIR_ENV)
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "mla-prefill-ext" / f"tiny-deepseek-v2-sharp-seed{SHARP_SEED}"
+
+
+def ensure_checkpoint(model_dir: Path) -> Path:
+    """The sharp checkpoint in ``model_dir``, generated (in a child process, CPU only) if missing."""
+    subprocess.run(
+        [sys.executable, str(MAKE_CHECKPOINT), str(model_dir), "--seed", str(SHARP_SEED)], check=True
+    )
+    return model_dir
+
+
+# --- test-only: smaller context chunks, with evidence from the engine process ---------------
+
+
+def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str, Any]]:
+    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, set its chunked-context
+    workspace size to ``tokens``; record each step's number of context chunks.
+
+    Returns ``(path, wrapper)`` pairs, for ``wrapt.unwrap_object`` (the CPU test unwraps them).
+
+    Lowering ``chunked_prefill_workspace_size`` after the stock init is safe in vLLM 0.20.2:
+    ``build()`` reads it (``max_context_chunk = size // prefills with context``, rounded down
+    to the page size) to cut the context into chunks and asserts every chunk fits in it; the
+    workspace tensor keeps its stock (larger) allocation, of which a chunk uses the first
+    rows. The layer's profile-run estimate reads its own copy of the stock size.
+    """
+    import wrapt
+    from vllm.model_executor.layers.attention import mla_attention
+
+    def record(line: str) -> None:
+        with open(evidence, "a") as f:
+            f.write(f"{os.getpid()} {line}\n")
+
+    def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        stock = instance.chunked_prefill_workspace_size
+        if tokens > stock:
+            raise ValueError(f"--context-chunk-tokens {tokens} exceeds the stock workspace ({stock} tokens)")
+        instance.chunked_prefill_workspace_size = tokens
+        record(f"init {stock} {tokens}")
+
+    def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        metadata = wrapped(*args, **kwargs)
+        chunked = getattr(getattr(metadata, "prefill", None), "chunked_context", None)
+        if chunked is not None:  # host lists: no device sync
+            record(f"chunks {len(chunked.seq_tot)} {max(chunked.max_seq_lens)}")
+        return metadata
+
+    return [
+        (path, wrapt.wrap_function_wrapper(mla_attention, path, wrapper))
+        for path, wrapper in (
+            ("MLACommonMetadataBuilder.__init__", builder_init),
+            ("MLACommonMetadataBuilder.build", builder_build),
+        )
+    ]
+
+
+def chunk_evidence(evidence: Path, tokens: int) -> dict:
+    """What the wrapper wrote; ``ok`` only if it ran in another process than this one."""
+    inits, chunks = [], []
+    if evidence.exists():
+        for line in evidence.read_text().splitlines():
+            pid, what, *rest = line.split()
+            (inits if what == "init" else chunks).append((int(pid), *map(int, rest)))
+    engine_pids = sorted({pid for pid, *_ in inits + chunks})
+    summary = {
+        "context_chunk_tokens": tokens,
+        "builder_inits": len(inits),
+        "stock_workspace_tokens": sorted({stock for _, stock, _ in inits}),
+        "steps_with_context": len(chunks),
+        "chunks_per_step": [n for _, n, _ in chunks],
+        "max_chunks_per_step": max((n for _, n, _ in chunks), default=0),
+        "max_chunk_tokens": max((m for _, _, m in chunks), default=0),
+        "pids": engine_pids,
+        "runner_pid": os.getpid(),
+    }
+    summary["ran_in_engine_process"] = bool(inits) and os.getpid() not in engine_pids
+    return summary
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    kwargs: dict = dict(
+        skip_tokenizer_init=True,
+        tensor_parallel_size=args.tp,
+        enforce_eager=args.eager,
+        max_model_len=16384,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        enable_prefix_caching=True,  # V1's default, stated: the prompt sets rely on it
+        gpu_memory_utilization=args.gpu_mem,
+        distributed_executor_backend=args.executor,
+        seed=0,
+        # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose
+        # JIT build takes many minutes on a host without FlashInfer's prebuilt kernels.
+        moe_backend="triton",
+        # Likewise FlashInfer's all-reduce fusion (TP > 1): minutes of JIT build per host.
+        compilation_config={"pass_config": {"fuse_allreduce_rms": False}},
+    )
+    if args.weights == "dummy":
+        kwargs.update(model=str(MODEL_DIR), load_format="dummy")
+    else:
+        kwargs.update(model=str(args.model_dir), load_format="auto")
+    if args.additional:
+        kwargs["additional_config"] = {"mla_prefill_backend": args.additional}
+    if args.flash_attn_version:
+        # vLLM's own prefill kernel on another FlashAttention version (2 runs on SM90 too); vLLM's
+        # MLA decode on SM90 stays FA3 whatever this says.
+        kwargs["attention_config"] = {"flash_attn_version": args.flash_attn_version}
+    return kwargs
+
+
+def flash_attn_libraries(worker: Any = None) -> list[str]:
+    """Runs in each worker: vLLM's FlashAttention libraries mapped in that process (which versions ran)."""
+    import re as _re
+
+    with open("/proc/self/maps") as f:
+        return sorted(set(_re.findall(r"_vllm_fa\d_C", f.read())))
+
+
+def summarize(out: Any) -> dict:
+    c = out.outputs[0]
+    top2, top2_tokens = [], []
+    for position in c.logprobs:
+        best = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)[:TOP_LOGPROBS]
+        top2.append([lp.logprob for _, lp in best])
+        top2_tokens.append([tok for tok, _ in best])
+    return {
+        "prompt_len": len(out.prompt_token_ids),
+        "tokens": list(c.token_ids),
+        "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+        "top2": top2,
+        "top2_tokens": top2_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if args.custom or args.custom_class:
+        from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+        path = args.custom_class or "counting_backend.CountingPrefillBackend"
+        register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, path)
+
+    if args.context_chunk_tokens:
+        import torch
+
+        install_context_chunk_wrapper(args.context_chunk_tokens, args.evidence)
+        if torch.cuda.is_initialized():  # vLLM would then spawn, without the wrapper
+            raise RuntimeError("CUDA is initialized in the runner: vLLM would spawn its engine unwrapped")
+
+    t0 = time.perf_counter()
+    llm = LLM(**llm_kwargs(args))
+    ready_s = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, detokenize=False)
+
+    def generate(token_lists: list[list[int]], params) -> list:
+        return llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False)
+
+    results: dict[str, list[dict]] = {}
+    if args.prompts == "parity":
+        base = prompts(PARITY_PROMPT_LENS, seed=1)
+        results["batch"] = [summarize(o) for o in generate(base, greedy)]
+        # Prefix-cache hit: shares the first PREFIX_SHARED tokens of an earlier prompt.
+        hit = [base[0][:PREFIX_SHARED] + prompts([PREFIX_NEW], seed=2)[0]]
+        results["prefix_hit"] = [summarize(o) for o in generate(hit, greedy)]
+    else:
+        # One request at a time, so each step holds one request and the cache is filled
+        # before the prompt that reuses it.
+        first = prompts([CHUNKS_PREFIX], seed=3)[0]
+        second = first + prompts([CHUNKS_NEW], seed=4)[0]
+        fresh = prompts([CHUNKS_FRESH], seed=5)[0]
+        results["chunks"] = [summarize(generate([p], greedy)[0]) for p in (first, second, fresh)]
+
+    bench = []
+    if args.bench:
+        one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        for length, batch in BENCH_GRID:
+            times = []
+            for rep in range(BENCH_REPS + 1):  # rep 0 warms up; fresh prompts defeat the prefix cache
+                ps = prompts([length] * batch, seed=1000 * length + 10 * batch + rep)
+                t = time.perf_counter()
+                generate(ps, one)
+                if rep:
+                    times.append(time.perf_counter() - t)
+            bench.append(
+                {
+                    "prompt_len": length,
+                    "batch": batch,
+                    "seconds": times,
+                    "tokens_per_s": [length * batch / s for s in times],
+                }
+            )
+    libraries = llm.collective_rpc(flash_attn_libraries) if args.flash_attn_version else None
+    return {"ready_s": ready_s, "results": results, "bench": bench, "flash_attn_libraries": libraries}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The runner's command line (a scenario's flags, scripts/gpu_harness/scenarios.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stock", action="store_true", help="add-on disabled: vLLM as shipped")
+    parser.add_argument("--backend-env", help="MLA_PREFILL_BACKEND for this engine")
+    parser.add_argument("--additional", help="additional_config mla_prefill_backend")
+    custom = parser.add_mutually_exclusive_group()
+    custom.add_argument("--custom", action="store_true", help="register examples' counting CUSTOM backend")
+    custom.add_argument("--custom-class", help="register CUSTOM to this class path (e.g. mutant_backends.X)")
+    parser.add_argument("--spawn", action="store_true", help="VLLM_WORKER_MULTIPROC_METHOD=spawn")
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--weights", choices=["sharp", "dummy"], default="sharp")
+    parser.add_argument("--model-dir", type=Path, help="the sharp checkpoint (default: generated to a cache)")
+    parser.add_argument("--prompts", choices=["parity", "chunks"], default="parity")
+    parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument(
+        "--executor",
+        choices=["mp", "ray"],
+        default=None,
+        help="distributed_executor_backend (default: vLLM's)",
+    )
+    parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
+    parser.add_argument(
+        "--flash-attn-version", type=int, choices=[2, 3], help="attention_config.flash_attn_version (stock)"
+    )
+    parser.add_argument(
+        "--example",
+        action="store_true",
+        help="count the calls of the installed example backend package (MLA_PREFILL_EXAMPLE_COUNT_FILE)",
+    )
+    return parser
+
+
+def main() -> int:
+    parser = make_parser()
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; the GPU host has no network
+    if args.stock:
+        os.environ["MLA_PREFILL_EXT_DISABLE"] = "1"
+    if args.flash_attn_version:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    if args.backend_env:
+        os.environ["MLA_PREFILL_BACKEND"] = args.backend_env
+    if args.spawn:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if args.context_chunk_tokens and args.spawn:
+        parser.error("--context-chunk-tokens needs the engine forked (see the module docstring)")
+    count_file = Path(args.out).with_suffix(".calls")
+    args.evidence = Path(args.out).with_suffix(".chunks")
+    args.evidence.unlink(missing_ok=True)
+    if args.custom:
+        count_file.unlink(missing_ok=True)
+        os.environ["MLA_PREFILL_COUNT_FILE"] = str(count_file)
+    if args.example:
+        count_file.unlink(missing_ok=True)
+        os.environ["MLA_PREFILL_EXAMPLE_COUNT_FILE"] = str(count_file)
+    if args.executor == "ray":
+        # The test's own counting variables: a user's backend that reads its own variables
+        # asks vLLM to copy them the same way. The add-on's own settings are not listed here.
+        os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = (
+            "MLA_PREFILL_COUNT_FILE,MLA_PREFILL_EXAMPLE_COUNT_FILE"
+        )
+    if args.custom or args.custom_class:
+        # The backend's module must be importable in vLLM's child processes too.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(EXAMPLES), str(TEST_DOUBLES), os.environ.get("PYTHONPATH")])
+        )
+        sys.path[:0] = [str(EXAMPLES), str(TEST_DOUBLES)]
+
+    plain_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    record: dict = {"name": args.name, "args": plain_args, "pid": os.getpid()}
+    try:
+        if args.weights == "sharp":
+            args.model_dir = ensure_checkpoint(args.model_dir or default_checkpoint_dir())
+            record["model_dir"] = str(args.model_dir)
+        record["weights"] = args.weights
+        record.update(run(args))
+        record["ok"] = True
+    except Exception as e:  # the failure itself is the result for startup-error scenarios
+        record["ok"] = False
+        record["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    if args.context_chunk_tokens:
+        evidence = chunk_evidence(args.evidence, args.context_chunk_tokens)
+        record["context_chunks"] = evidence
+        print("context chunks:", json.dumps(evidence), flush=True)
+        if record["ok"] and not evidence["ran_in_engine_process"]:
+            record["ok"] = False
+            record["error"] = (
+                "the --context-chunk-tokens wrapper left no evidence from the engine process "
+                "(was the engine core spawned instead of forked?)"
+            )
+    if (args.custom or args.example) and count_file.exists():
+        calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
+        record["custom_calls"] = {
+            "lines": len(calls),
+            "pids": sorted({int(pid) for pid, _ in calls}),
+            "kinds": sorted({what.split()[0] for _, what in calls}),
+        }
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Writes a seeded "sharp attention" checkpoint of the tiny DeepSeek-V2 that vLLM loads.
+
+    python scripts/gpu_harness/make_sharp_checkpoint.py OUT_DIR [--seed 0] [--config CONFIG_JSON]
+
+Why: with ``load_format="dummy"`` vLLM fills every weight uniformly in +-1e-3, so
+attention scores are all ~0, attention is uniform, and a prefill backend that is
+wrong (softmax scale 2% off, LSE in the wrong base) still yields the same greedy
+tokens. With these weights the scores spread (the softmax logits have a standard
+deviation of about 5), so a wrong backend changes logprobs and tokens:
+
+* every norm weight is 1;
+* ``q_proj`` (or ``q_b_proj``) and ``kv_b_proj`` weights: normal, std 0.06;
+* every other weight (embeddings, ``kv_a_proj_with_mqa``, ``o_proj``, MLPs, experts,
+  router, ``lm_head``): normal, std 0.02;
+* drawn from one ``torch.Generator`` seeded with ``--seed``, tensor by tensor in sorted
+  name order, in float32, stored as bfloat16: the same seed gives the same bytes.
+
+The module tree (names and shapes) comes from transformers' ``DeepseekV2ForCausalLM``
+built from the config on the meta device (so transformers must accept the config).
+The tensors are written with ``safetensors`` directly, in the layout vLLM 0.20's
+``DeepseekV2ForCausalLM.load_weights`` reads: transformers >= 5 keeps routed experts
+fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``),
+and vLLM needs them per expert (``mlp.experts.E.{gate,up,down}_proj.weight``), which is
+also what transformers 4.x names them. Writing the file ourselves keeps the checkpoint
+identical whatever the transformers version. ``config.json`` is copied unchanged, so the
+engine sees exactly the configuration of the dummy-weight runs.
+
+Idempotent: when OUT_DIR already holds the weights and a marker written for the same
+seed, config and generator version, it does nothing. No tokenizer is written (the
+engines run with ``skip_tokenizer_init=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "tiny_deepseek_v2" / "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MARKER_FILE = "sharp_checkpoint.json"
+GENERATOR_VERSION = 1  # bump when the weight rule changes: old directories are regenerated
+
+SHARP_STD = 0.06
+BASE_STD = 0.02
+SHARP_WEIGHTS = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$")
+NORM_WEIGHTS = re.compile(r"(layernorm|norm)\.weight$")
+
+
+def config_digest(config_path: Path) -> str:
+    return hashlib.sha256(config_path.read_bytes()).hexdigest()
+
+
+def transformers_parameter_shapes(config_path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of transformers' DeepseekV2ForCausalLM built from the config (meta device)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config.from_pretrained(str(config_path.parent))
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def vllm_checkpoint_shapes(hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """transformers' names -> the per-expert checkpoint names vLLM's DeepseekV2 loader reads.
+
+    Fused routed experts (transformers >= 5) are split: ``gate_up_proj[e]`` is
+    ``[gate; up]`` along dim 0 (transformers chunks it in that order), ``down_proj[e]``
+    is expert ``e``'s ``down_proj.weight``. Everything else keeps its name.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in hf_shapes.items():
+        fused = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
+        if fused is None:
+            out[name] = shape
+            continue
+        prefix, which = fused.groups()
+        num_experts = shape[0]
+        for e in range(num_experts):
+            if which == "gate_up_proj":
+                rows = shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = (rows, shape[2])
+                out[f"{prefix}.{e}.up_proj.weight"] = (rows, shape[2])
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = (shape[1], shape[2])
+    return out
+
+
+def std_of(name: str) -> float | None:
+    """None: a norm weight (all ones)."""
+    if NORM_WEIGHTS.search(name):
+        return None
+    return SHARP_STD if SHARP_WEIGHTS.search(name) else BASE_STD
+
+
+def make_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = {}
+    for name in sorted(shapes):
+        std = std_of(name)
+        if std is None:
+            t = torch.ones(shapes[name], dtype=torch.float32)
+        else:
+            t = torch.randn(shapes[name], generator=gen, dtype=torch.float32) * std
+        tensors[name] = t.to(torch.bfloat16).contiguous()
+    return tensors
+
+
+def read_marker(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(out_dir: Path, seed: int, config_path: Path) -> bool:
+    marker = read_marker(out_dir)
+    weights = out_dir / WEIGHTS_FILE
+    return (
+        marker is not None
+        and marker.get("seed") == seed
+        and marker.get("generator_version") == GENERATOR_VERSION
+        and marker.get("config_sha256") == config_digest(config_path)
+        and weights.is_file()
+        and weights.stat().st_size == marker.get("weights_bytes")
+        and (out_dir / "config.json").is_file()
+    )
+
+
+def make_checkpoint(out_dir: Path, seed: int = 0, config_path: Path = DEFAULT_CONFIG) -> Path:
+    """Write (or keep) the checkpoint in ``out_dir``; return ``out_dir``.
+
+    Safe to run from several processes at once: one writes, the others wait and keep it.
+    """
+    import fcntl
+
+    out_dir = Path(out_dir)
+    config_path = Path(config_path)
+    if is_complete(out_dir, seed, config_path):
+        print(f"sharp checkpoint (seed {seed}) already in {out_dir}", flush=True)
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(out_dir, seed, config_path):  # another process wrote it meanwhile
+            print(f"sharp checkpoint (seed {seed}) already in {out_dir}", flush=True)
+            return out_dir
+        _write(out_dir, seed, config_path)
+    return out_dir
+
+
+def _write(out_dir: Path, seed: int, config_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    (out_dir / MARKER_FILE).unlink(missing_ok=True)  # incomplete until the marker is back
+    shapes = vllm_checkpoint_shapes(transformers_parameter_shapes(config_path))
+    tensors = make_tensors(shapes, seed)
+    tmp = out_dir / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out_dir / WEIGHTS_FILE)
+    shutil.copyfile(config_path, out_dir / "config.json")
+    marker = {
+        "seed": seed,
+        "generator_version": GENERATOR_VERSION,
+        "config_sha256": config_digest(config_path),
+        "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size,
+        "num_tensors": len(tensors),
+        "num_parameters": sum(t.numel() for t in tensors.values()),
+        "rule": {"norms": 1.0, "q_proj|q_b_proj|kv_b_proj": SHARP_STD, "other": BASE_STD},
+    }
+    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=1))
+    print(
+        f"sharp checkpoint (seed {seed}): {len(tensors)} tensors, {marker['num_parameters'] / 1e6:.0f} M "
+        f"parameters in {out_dir} ({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model")
+    args = parser.parse_args(argv)
+    make_checkpoint(args.out_dir, args.seed, args.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

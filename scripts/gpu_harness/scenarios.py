@@ -1,0 +1,207 @@
+"""The engine scenarios of the GPU suite, and a driver that runs them across GPUs.
+
+    python -m scripts.gpu_harness.scenarios --results DIR [--gpus 0,1] [--only a,b] [--bench]
+        [--model-dir CKPT]
+
+Each scenario is one engine lifetime in its own process (scripts/gpu_harness/engine_runner.py).
+Every scenario that is compared with stock vLLM runs on the sharp-attention checkpoint
+(make_sharp_checkpoint.py), generated once before the first engine starts (into
+``--model-dir``, default ``DIR/sharp-checkpoint``); only ``invalid-explicit`` (a
+start-up failure) keeps vLLM's dummy weights. Single-GPU scenarios run in parallel,
+each taking the next free GPU from one queue; then multi-GPU ones take the GPUs they
+need, one scenario at a time.
+
+The ``*-chunks`` and ``mutant-*`` scenarios run the ``chunks`` prompt set with the
+builder's chunked-context workspace lowered to ``CONTEXT_CHUNK_TOKENS`` (so one step
+merges 4 context chunks), eager; they are compared with ``stock-chunks``. The mutants
+(mutant_backends.py) must fail that comparison.
+
+More scenarios (e.g. Ray executors) are more :class:`Scenario` entries: flags for the
+runner (see ``engine_runner.llm_kwargs``), ``env`` for the runner's environment,
+``gpus`` for how many GPUs they take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "engine_runner.py"
+MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
+SHARP_SEED = 0
+CONTEXT_CHUNK_TOKENS = 2048
+CHUNKS = ("--prompts", "chunks", "--context-chunk-tokens", str(CONTEXT_CHUNK_TOKENS), "--eager")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    flags: tuple[str, ...]
+    gpus: int = 1
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the runner
+
+    @property
+    def sharp(self) -> bool:
+        """Runs on the sharp checkpoint (every scenario but those asking for dummy weights)."""
+        return "dummy" not in self.flags
+
+
+SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("stock", ("--stock",)),
+        Scenario("shim-fa", ("--backend-env", "FLASH_ATTN")),
+        Scenario("shim-fi", ("--additional", "FLASHINFER")),
+        Scenario("stock-eager", ("--stock", "--eager")),
+        Scenario("shim-fa-eager", ("--backend-env", "FLASH_ATTN", "--eager")),
+        Scenario("shim-fi-eager", ("--backend-env", "FLASHINFER", "--eager")),
+        Scenario("custom-spawn", ("--custom", "--spawn", "--backend-env", "CUSTOM", "--eager")),
+        Scenario("invalid-explicit", ("--backend-env", "TRTLLM_RAGGED", "--eager", "--weights", "dummy")),
+        Scenario("stock-chunks", ("--stock", *CHUNKS)),
+        Scenario("shim-fa-chunks", ("--backend-env", "FLASH_ATTN", *CHUNKS)),
+        Scenario("shim-fi-chunks", ("--backend-env", "FLASHINFER", *CHUNKS)),
+        Scenario(
+            "mutant-scale",
+            ("--custom-class", "mutant_backends.ScaleOffBackend", "--backend-env", "CUSTOM", *CHUNKS),
+        ),
+        Scenario(
+            "mutant-lse2",
+            ("--custom-class", "mutant_backends.Base2LseBackend", "--backend-env", "CUSTOM", *CHUNKS),
+        ),
+        Scenario("stock-tp2", ("--stock", "--tp", "2"), gpus=2),
+        Scenario("shim-fa-tp2", ("--backend-env", "FLASH_ATTN", "--tp", "2"), gpus=2),
+        Scenario("shim-fi-tp2", ("--backend-env", "FLASHINFER", "--tp", "2"), gpus=2),
+        Scenario("custom-tp2", ("--custom", "--backend-env", "CUSTOM", "--tp", "2"), gpus=2),
+        # The portable backend (used by the bridge's run on vLLM 0.25.1, tests/gpu/bridge_025.sh).
+        Scenario("shim-sdpa", ("--backend-env", "TORCH_SDPA")),
+        Scenario("shim-sdpa-eager", ("--backend-env", "TORCH_SDPA", "--eager")),
+        # Calibration: vLLM's own prefill on FlashAttention 2 (the algorithm PyTorch's flash SDPA
+        # kernel implements) against its FA3: how far two equally exact kernels of vLLM's own part.
+        # Needs vLLM's FA2 library (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the GPU host's vLLM.
+        Scenario("stock-fa2-eager", ("--stock", "--eager", "--flash-attn-version", "2")),
+    ]
+}
+BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
+
+
+def default_model_dir(results: Path) -> Path:
+    return results / "sharp-checkpoint"
+
+
+def ensure_checkpoint(model_dir: Path) -> None:
+    """Generate the sharp checkpoint once (idempotent; a few seconds when already there)."""
+    from . import make_sharp_checkpoint
+
+    if make_sharp_checkpoint.is_complete(model_dir, SHARP_SEED, make_sharp_checkpoint.DEFAULT_CONFIG):
+        return
+    print(f"[{time.strftime('%H:%M:%S')}] generating the sharp checkpoint in {model_dir}", flush=True)
+    subprocess.run(
+        [sys.executable, str(MAKE_CHECKPOINT), str(model_dir), "--seed", str(SHARP_SEED)], check=True
+    )
+
+
+def command(s: Scenario, results: Path, bench: bool, model_dir: Path | None = None) -> list[str]:
+    cmd = [sys.executable, str(RUNNER), "--name", s.name, "--out", str(results / f"{s.name}.json"), *s.flags]
+    if s.sharp:
+        cmd += ["--model-dir", str(model_dir or default_model_dir(results))]
+    if bench and s.name in BENCH_SCENARIOS:
+        cmd.append("--bench")
+    return cmd
+
+
+def run_all(
+    names: list[str], results: Path, gpus: list[str], bench: bool, model_dir: Path | None = None
+) -> None:
+    """Single-GPU scenarios in parallel (each on the next free GPU), then multi-GPU ones in turn."""
+    results.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir or default_model_dir(results)
+    if any(SCENARIOS[n].sharp for n in names):
+        ensure_checkpoint(model_dir)
+    pending = [SCENARIOS[n] for n in names if SCENARIOS[n].gpus == 1]
+    multi = [SCENARIOS[n] for n in names if SCENARIOS[n].gpus > 1]
+    running: dict[str, tuple[Scenario, subprocess.Popen]] = {}
+
+    def start(s: Scenario, devices: str) -> subprocess.Popen:
+        log = open(results / f"{s.name}.log", "w")
+        env = {**os.environ, **dict(s.env), "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
+        print(f"[{time.strftime('%H:%M:%S')}] start {s.name} on GPU {devices}", flush=True)
+        return subprocess.Popen(
+            command(s, results, bench, model_dir), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+
+    while pending or running:
+        for g in gpus:
+            if g not in running and pending:
+                s = pending.pop(0)
+                running[g] = (s, start(s, g))
+        for g, (s, proc) in list(running.items()):
+            if proc.poll() is not None:
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] done {s.name} on GPU {g}: rc={proc.returncode}",
+                    flush=True,
+                )
+                del running[g]
+        time.sleep(1)
+    for s in multi:
+        if s.gpus > len(gpus):
+            print(f"[{time.strftime('%H:%M:%S')}] skip {s.name}: needs {s.gpus} GPUs", flush=True)
+            continue
+        proc = start(s, ",".join(gpus[: s.gpus]))
+        proc.wait()
+        print(f"[{time.strftime('%H:%M:%S')}] done {s.name}: rc={proc.returncode}", flush=True)
+
+
+def recorded_text(path: Path) -> str | None:
+    """A recorded file's text, from ``path`` or from ``path.gz`` (how docs/results keeps raw records);
+    None if there is neither."""
+    if path.exists():
+        return path.read_text(errors="replace")
+    packed = path.with_name(path.name + ".gz")
+    if packed.exists():
+        return gzip.decompress(packed.read_bytes()).decode(errors="replace")
+    return None
+
+
+def load(results: Path, name: str) -> dict | None:
+    """A scenario's result in ``results``, or None where it was not run."""
+    text = recorded_text(results / f"{name}.json")
+    return json.loads(text) if text is not None else None
+
+
+def log_text(results: Path, name: str) -> str:
+    """A scenario's engine log in ``results``."""
+    text = recorded_text(results / f"{name}.log")
+    if text is None:
+        raise FileNotFoundError(results / f"{name}.log")
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--gpus", default="0")
+    parser.add_argument("--only", help="comma-separated scenario names (default: all that fit)")
+    parser.add_argument("--bench", action="store_true", help="also measure prefill throughput")
+    parser.add_argument(
+        "--model-dir", type=Path, help="the sharp checkpoint (default: RESULTS/sharp-checkpoint)"
+    )
+    args = parser.parse_args()
+    gpus = args.gpus.split(",")
+    names = args.only.split(",") if args.only else [n for n, s in SCENARIOS.items() if s.gpus <= len(gpus)]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    run_all(names, args.results, gpus, args.bench, args.model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

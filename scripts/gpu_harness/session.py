@@ -1,0 +1,230 @@
+"""The whole GPU verification on a 2-GPU host, in two phases that each fit one sitting.
+
+    python -m scripts.gpu_harness.session single --results DIR     # kernels + single-GPU engines
+    python -m scripts.gpu_harness.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
+    python -m scripts.gpu_harness.session verdicts --results DIR   # the engine assertions over DIR
+
+Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
+the wall time; numerics do not depend on it. FlashInfer's kernels JIT-compile on first
+use (about a minute): the kernel tests run first in one lane and the FLASHINFER engines
+follow in that lane, so no two processes compile the same kernel at once.
+
+``multi`` starts a Ray head from an environment with none of the add-on's variables
+(scripts/gpu_harness/ray_cluster.py), as a node started by hand would be, runs the Ray scenarios
+one after another against it while the multiprocessing TP=2 scenarios run beside them,
+then repeats the CUSTOM Ray scenario with the previous release of the add-on
+(``--old-addon DIR``: a folder holding that ``mla_prefill_ext``) to show what it missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from scripts.gpu_harness import ray_cluster
+from scripts.gpu_harness.scenarios import SCENARIOS, Scenario, command, default_model_dir, ensure_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_MEM = "0.3"
+EXAMPLE_SITE = Path("/tmp/mla-example-site")
+RAY_ENV = (("RAY_ADDRESS", ray_cluster.ADDRESS), ("RAY_DEDUP_LOGS", "0"))
+
+SINGLE_QUEUE = [
+    "stock-eager",
+    "stock-chunks",
+    "mutant-scale",
+    "mutant-lse2",
+    "shim-fa-chunks",
+    "shim-fa-eager",
+    "custom-spawn",
+    "example-auto",
+    "stock",
+    "shim-fa",
+    "invalid-explicit",
+]
+FLASHINFER_LANE = ["shim-fi-eager", "shim-fi-chunks", "shim-fi"]
+RAY_QUEUE = ["stock-ray", "custom-ray", "fi-ray"]
+TP2_QUEUE = ["stock-tp2", "custom-tp2", "shim-fi-tp2", "shim-fa-tp2"]
+
+RAY = ("--executor", "ray", "--tp", "2", "--eager")
+EXTRA = {
+    s.name: s
+    for s in [
+        Scenario("example-auto", ("--example", "--eager"), env=(("PYTHONPATH", str(EXAMPLE_SITE)),)),
+        Scenario("stock-ray", ("--stock", *RAY), gpus=2, env=RAY_ENV),
+        Scenario("custom-ray", ("--custom", "--backend-env", "CUSTOM", *RAY), gpus=2, env=RAY_ENV),
+        Scenario("fi-ray", ("--backend-env", "FLASHINFER", *RAY), gpus=2, env=RAY_ENV),
+        Scenario("ray-old-custom", ("--custom", "--backend-env", "CUSTOM", *RAY), gpus=2, env=RAY_ENV),
+    ]
+}
+ALL = {**SCENARIOS, **EXTRA}
+
+
+def stamp(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str | None = None) -> int:
+    s = ALL[name]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
+    for key, value in s.env:
+        env[key] = f"{value}{os.pathsep}{env[key]}" if key == "PYTHONPATH" and env.get(key) else value
+    if extra_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_pythonpath, env.get("PYTHONPATH")]))
+    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", GPU_MEM]
+    if name in TP2_QUEUE and "--eager" not in cmd:
+        cmd.append("--eager")  # start-up time: the compiled path is covered on one GPU
+    stamp(f"start {name} on GPU {devices}")
+    with open(results / f"{name}.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    stamp(f"done {name}: rc={rc}")
+    return rc
+
+
+def lane(names: list[str], results: Path, devices: str, shared: list[str] | None = None) -> None:
+    for name in names:
+        run_scenario(name, results, devices)
+    while shared:
+        try:
+            name = shared.pop(0)
+        except IndexError:
+            break
+        run_scenario(name, results, devices)
+
+
+def shell(cmd: str, log: Path, devices: str) -> int:
+    stamp(f"start {cmd} on GPU {devices}")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    stamp(f"done {log.name}: rc={rc}")
+    return rc
+
+
+def single(results: Path) -> None:
+    ensure_checkpoint(default_model_dir(results))
+    shell(
+        f"{sys.executable} -m pip install -q --no-deps --no-build-isolation --no-index "
+        f"--target {EXAMPLE_SITE} examples/mla_prefill_example_backend",
+        results / "example-install.log",
+        "0",
+    )
+    shared = list(SINGLE_QUEUE)
+    warm = threading.Event()
+    pytest = f"{sys.executable} -m pytest -q -rs"
+
+    def kernels() -> None:
+        # FlashInfer's fa3 prefill JIT (about a minute) happens here, once, before any engine uses it.
+        shell(f"{pytest} tests/gpu/test_kernels.py -k bitwise", results / "flashinfer-warmup.log", "1")
+        warm.set()
+        shell(
+            f"{pytest} tests/gpu/test_kernels.py tests/gpu/test_no_sync.py "
+            "tests/test_conformance.py::test_builtin_backends_conform_on_gpu "
+            f"--junitxml={results}/kernels.xml",
+            results / "kernels.log",
+            "1",
+        )
+
+    def flashinfer_lane() -> None:
+        warm.wait()
+        lane(FLASHINFER_LANE, results, "1", shared)
+
+    threads = [
+        threading.Thread(target=kernels),
+        threading.Thread(target=lane, args=([], results, "0", shared)),
+        threading.Thread(target=lane, args=([], results, "0", shared)),
+        threading.Thread(target=lane, args=([], results, "1", shared)),
+        threading.Thread(target=flashinfer_lane),
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(3)  # staggered starts: less contention while engines load
+    for t in threads:
+        t.join()
+
+
+def multi(results: Path, old_addon: Path | None) -> None:
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [str(ROOT / "examples"), str(ROOT)]
+
+    def ray_lane() -> None:
+        ray_cluster.stop()
+        ray_cluster.start([*site, *extra])
+        try:
+            for name in RAY_QUEUE:
+                run_scenario(name, results, "0,1")
+        finally:
+            ray_cluster.stop()
+        if old_addon is not None:
+            ray_cluster.start([str(old_addon), *site, *extra])
+            try:
+                run_scenario("ray-old-custom", results, "0,1", extra_pythonpath=str(old_addon))
+            finally:
+                ray_cluster.stop()
+
+    t = threading.Thread(target=ray_lane)
+    t.start()
+    time.sleep(5)
+    for name in TP2_QUEUE:
+        run_scenario(name, results, "0,1")
+    t.join()
+
+
+def only(results: Path, names: list[str]) -> None:
+    """Re-run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone."""
+    ensure_checkpoint(default_model_dir(results))
+    shared = [n for n in names if ALL[n].gpus == 1]
+    threads = [threading.Thread(target=lane, args=([], results, g, shared)) for g in ("0", "1")]
+    for t in threads:
+        t.start()
+        time.sleep(3)
+    for t in threads:
+        t.join()
+    for name in (n for n in names if ALL[n].gpus > 1):
+        run_scenario(name, results, "0,1")
+
+
+def verdicts(results: Path) -> int:
+    env = {**os.environ, "MLA_GPU_RESULTS": str(results)}
+    return subprocess.call(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-s",
+            "tests/gpu/test_engine.py",
+            f"--junitxml={results}/engine.xml",
+        ],
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=["single", "multi", "only", "verdicts"])
+    parser.add_argument("--names", default="", help="for 'only': comma-separated scenario names")
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--old-addon", type=Path, help="folder holding the previous mla_prefill_ext")
+    args = parser.parse_args()
+    args.results.mkdir(parents=True, exist_ok=True)
+    if args.phase == "single":
+        single(args.results)
+    elif args.phase == "multi":
+        multi(args.results, args.old_addon)
+    elif args.phase == "only":
+        only(args.results, [n for n in args.names.split(",") if n])
+    else:
+        return verdicts(args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

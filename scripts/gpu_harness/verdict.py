@@ -1,0 +1,256 @@
+"""Verdicts on engine outputs: is a scenario's greedy decode what stock vLLM's is?
+
+A record is one prompt's result as ``scripts/gpu_harness/engine_runner.py`` writes it:
+``prompt_len``, ``tokens`` (greedy), ``logprobs`` (of each chosen token) and, since
+the runner asks for ``logprobs=2``, ``top2`` (the two highest logprobs at each
+position, highest first). A verdict compares a candidate's records with the
+reference's (stock vLLM), prompt by prompt:
+
+* :func:`identical`: the same kernel runs on both sides (the add-on's FLASH_ATTN, a
+  CUSTOM backend delegating to it): the tokens are equal and every logprob (and
+  top-2 logprob) is bit-equal.
+* :func:`bf16_noise`: another kernel (FLASHINFER): positions are compared while the
+  tokens agree; the largest ``|logprob difference|`` there must stay within
+  ``bound``. A greedy token flip is allowed only where stock's own top-1 and top-2
+  logprobs at that position are within ``bound`` of each other (a near-tie that
+  bf16 rounding can tip) and, unless stock's top two are exactly tied, only to
+  stock's runner-up; after a flip the rest of that sequence is not compared (it
+  continues from another token). Any other flip fails.
+
+The bound, :data:`BF16_NOISE_BOUND` = 0.06 (natural-log units), and why:
+
+* measured on the H200 with the sharp-attention checkpoint
+  (``make_sharp_checkpoint.py``): FLASHINFER against stock (FlashAttention 3), the
+  largest logprob difference was 0.031, with one greedy flip, at a near-tie. Two
+  different bf16 attention kernels differ by output rounding (2^-9 relative per
+  element) and accumulation order, amplified through 4 layers and the LM head: 0.031
+  is that noise. The bound leaves about 2x headroom over it, so the FlashInfer
+  scenarios do not fail on noise alone;
+* the smallest real error worth catching, a softmax scale 2% too large, moved
+  logprobs by up to 0.2 on the same weights (over 3x the bound) and changed the
+  greedy tokens of 5 of 6 prompts, at positions that were not near-ties: both
+  checks fail it. An LSE in base 2 instead of the natural log mis-weights every
+  context-chunk merge and fails them as well (the mutation scenarios prove both).
+
+The bound is to be re-justified by each new set of GPU measurements: the engine
+tests print every verdict's ``max_diff`` and flips.
+
+The bound is that of the FA3 family (FA3 and FlashInfer's fa3 kernel, the same algorithm).
+A kernel of another family parts further from stock on these weights, vLLM's own included:
+on vLLM 0.25.1, vLLM's FA2 prefill against its FA3 (the same engine otherwise) differed by
+0.094 with two flips that the rule above refuses (docs/gpu-verification.md). For such a
+backend (TORCH_SDPA runs PyTorch's flash kernel, an FA2) :func:`family_noise` applies
+the bound that calibration gives, with headroom (:func:`kernel_family_bound`); the
+mutants fail that one too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+BF16_NOISE_BOUND = 0.06
+KERNEL_FAMILY_HEADROOM = 1.25
+
+
+@dataclass
+class Flip:
+    """A position where the candidate's greedy token differs from the reference's."""
+
+    prompt: int
+    position: int
+    reference_token: int
+    candidate_token: int
+    reference_gap: float | None  # stock's top-1 minus top-2 logprob there (None: not recorded)
+    allowed: bool
+
+    def __str__(self) -> str:
+        gap = "unknown" if self.reference_gap is None else f"{self.reference_gap:.4g}"
+        what = "near-tie, allowed" if self.allowed else "REFUSED"
+        return (
+            f"prompt {self.prompt} position {self.position}: {self.reference_token} -> "
+            f"{self.candidate_token} (stock top-1/top-2 gap {gap}; {what})"
+        )
+
+
+@dataclass
+class Verdict:
+    kind: str
+    passed: bool
+    max_diff: float
+    flips: list[Flip] = field(default_factory=list)
+    reason: str = ""
+    compared_positions: int = 0
+    bound: float | None = None
+    label: str = ""
+
+    def __str__(self) -> str:
+        head = f"{self.label}: " if self.label else ""
+        bound = "" if self.bound is None else f", bound {self.bound:g}"
+        lines = [
+            f"{head}{self.kind} {'PASSED' if self.passed else 'FAILED'}: max |logprob diff| "
+            f"{self.max_diff:.4g} over {self.compared_positions} positions{bound}, "
+            f"{len(self.flips)} flip(s); {self.reason}"
+        ]
+        lines += [f"  flip at {f}" for f in self.flips]
+        return "\n".join(lines)
+
+
+def _shape_problem(candidate: Sequence[dict], reference: Sequence[dict]) -> str | None:
+    if len(candidate) != len(reference):
+        return f"{len(candidate)} records against {len(reference)}"
+    for i, (c, r) in enumerate(zip(candidate, reference, strict=True)):
+        if c.get("prompt_len") != r.get("prompt_len"):
+            return f"prompt {i}: prompt_len {c.get('prompt_len')} against {r.get('prompt_len')}"
+    return None
+
+
+def _finish(verdict: Verdict) -> Verdict:
+    print(verdict, flush=True)
+    return verdict
+
+
+def identical(candidate: Sequence[dict], reference: Sequence[dict], label: str = "") -> Verdict:
+    """Same kernel on both sides: equal tokens and bit-equal logprobs (and top-2 logprobs)."""
+    problem = _shape_problem(candidate, reference)
+    if problem is not None:
+        return _finish(Verdict("identical", False, math.inf, reason=problem, label=label))
+    max_diff, positions = 0.0, 0
+    flips: list[Flip] = []
+    problems: list[str] = []
+    for i, (c, r) in enumerate(zip(candidate, reference, strict=True)):
+        ct, rt = c["tokens"], r["tokens"]
+        same = 0  # positions before the first differing token
+        while same < min(len(ct), len(rt)) and ct[same] == rt[same]:
+            same += 1
+        if ct != rt:
+            if same < min(len(ct), len(rt)):
+                flips.append(Flip(i, same, rt[same], ct[same], _gap(r, same), False))
+            problems.append(f"prompt {i}: tokens differ from position {same}")
+        diffs = [abs(a - b) for a, b in zip(c["logprobs"][:same], r["logprobs"][:same], strict=True)]
+        positions += len(diffs)
+        max_diff = max([max_diff, *diffs])
+        if c["logprobs"][:same] != r["logprobs"][:same]:
+            j = next(j for j, d in enumerate(diffs) if d != 0 or c["logprobs"][j] != r["logprobs"][j])
+            problems.append(f"prompt {i}: logprob at position {j} differs by {diffs[j]:.3g}")
+        ctop, rtop = c.get("top2"), r.get("top2")
+        if ctop is not None and rtop is not None:
+            bad = [j for j in range(same) if list(ctop[j]) != list(rtop[j])]
+            if bad:
+                problems.append(f"prompt {i}: top-2 logprobs differ at position {bad[0]}")
+    passed = not problems
+    reason = "tokens equal, logprobs bit-equal" if passed else "; ".join(problems)
+    return _finish(Verdict("identical", passed, max_diff, flips, reason, positions, None, label))
+
+
+def _gap(record: dict, position: int) -> float | None:
+    top2 = record.get("top2")
+    if not top2 or position >= len(top2) or len(top2[position]) < 2:
+        return None
+    first, second = top2[position][0], top2[position][1]
+    return float(first) - float(second)
+
+
+def _runner_up(record: dict, position: int) -> int | None:
+    """Stock's second-best token at ``position``, where the runner recorded it."""
+    tokens = record.get("top2_tokens")
+    if not tokens or position >= len(tokens):
+        return None
+    # The top-2 token other than the chosen one (an exact tie may list them either way).
+    others = [int(t) for t in tokens[position] if t != record["tokens"][position]]
+    return others[0] if others else None
+
+
+def bf16_noise(
+    candidate: Sequence[dict],
+    reference: Sequence[dict],
+    bound: float = BF16_NOISE_BOUND,
+    label: str = "",
+    runner_up_only: bool = True,
+    kind: str = "bf16_noise",
+) -> Verdict:
+    """Another kernel: logprobs within ``bound`` while tokens agree; flips only at stock near-ties
+    (and, with ``runner_up_only``, only to stock's runner-up there)."""
+    problem = _shape_problem(candidate, reference)
+    if problem is not None:
+        return _finish(Verdict(kind, False, math.inf, reason=problem, bound=bound, label=label))
+    max_diff, positions = 0.0, 0
+    worst = ""
+    flips: list[Flip] = []
+    problems: list[str] = []
+    for i, (c, r) in enumerate(zip(candidate, reference, strict=True)):
+        ct, rt = c["tokens"], r["tokens"]
+        for j in range(min(len(ct), len(rt))):
+            if ct[j] != rt[j]:
+                gap = _gap(r, j)
+                allowed = gap is not None and gap <= bound
+                runner_up = _runner_up(r, j)
+                if not allowed:
+                    problems.append(f"prompt {i}: greedy token flip at position {j} is not a near-tie")
+                elif runner_up_only and runner_up is not None and ct[j] != runner_up and gap > 0:
+                    # At an exact tie (gap 0) more than two tokens can share the top logprob
+                    # (bf16 logprobs come in steps of 1/64): stock's own runs pick among them.
+                    allowed = False
+                    problems.append(
+                        f"prompt {i}: at the near-tie at position {j} the candidate chose {ct[j]}, "
+                        f"not stock's runner-up {runner_up}"
+                    )
+                flips.append(Flip(i, j, rt[j], ct[j], gap, allowed))
+                break  # the rest of this sequence continues from another token
+            d = abs(c["logprobs"][j] - r["logprobs"][j])
+            positions += 1
+            if not math.isfinite(d):  # NaN would slip through a comparison
+                d = math.inf
+            if d > max_diff:
+                max_diff, worst = d, f"prompt {i} position {j}"
+        else:
+            if len(ct) != len(rt):
+                problems.append(f"prompt {i}: {len(ct)} tokens against {len(rt)} without a flip")
+    if max_diff > bound:
+        problems.insert(0, f"max |logprob diff| {max_diff:.4g} at {worst} exceeds the bound {bound:g}")
+    passed = not problems
+    if passed:
+        within = "bf16 noise" if kind == "bf16_noise" else f"the bound ({kind})"
+        reason = f"within {within} (largest difference at {worst or 'none'})"
+    else:
+        reason = "; ".join(problems)
+    return _finish(Verdict(kind, passed, max_diff, flips, reason, positions, bound, label))
+
+
+def kernel_family_bound(calibration: Verdict, headroom: float = KERNEL_FAMILY_HEADROOM) -> float:
+    """The noise bound for a backend whose kernel is of another family than stock's (FA2-like against
+    FA3): how far vLLM's own kernel of that family is from stock (``calibration``: its bf16_noise
+    verdict against stock, passed or not), its largest logprob difference or near-tie gap, with
+    ``headroom``; never below :data:`BF16_NOISE_BOUND`."""
+    if calibration.compared_positions == 0 or not math.isfinite(calibration.max_diff):
+        raise ValueError(f"a calibration must compare positions and stay finite: {calibration}")
+    gaps = [f.reference_gap for f in calibration.flips if f.reference_gap is not None]
+    return max(BF16_NOISE_BOUND, headroom * max([calibration.max_diff, *gaps]))
+
+
+def family_noise(
+    candidate: Sequence[dict], reference: Sequence[dict], calibration: Verdict, label: str = ""
+) -> Verdict:
+    """Another kernel family: no further from stock than vLLM's own kernel of that family is.
+
+    :func:`bf16_noise` with the bound :func:`kernel_family_bound` makes of ``calibration``, and a
+    flip at a near-tie may go to any token: vLLM's own FA2 prefill, against its FA3, picked a
+    third token at a near-tie (docs/gpu-verification.md, the 0.25.1 calibration)."""
+    bound = kernel_family_bound(calibration)
+    return bf16_noise(candidate, reference, bound, label, runner_up_only=False, kind="family_noise")
+
+
+def summary(verdict: Verdict) -> dict[str, Any]:
+    """The verdict as plain data (for JSON)."""
+    return {
+        "kind": verdict.kind,
+        "label": verdict.label,
+        "passed": verdict.passed,
+        "max_diff": verdict.max_diff,
+        "bound": verdict.bound,
+        "compared_positions": verdict.compared_positions,
+        "flips": [vars(f) for f in verdict.flips],
+        "reason": verdict.reason,
+    }
