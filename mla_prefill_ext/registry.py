@@ -372,15 +372,13 @@ def _apply_environment() -> None:
     raw = settings.overrides_in_environment()
     if not raw:
         return
+    problem = settings.overrides_problem()
+    if problem is not None:
+        # The selector refuses to select while it stands (settings.overrides_problem).
+        logger.error("%s. No MLA prefill backend can be selected until it is fixed.", problem)
     try:
         payload = settings.parse_overrides(raw)
-    except ValueError as e:
-        logger.error(
-            "Ignoring %s=%r: it is not a JSON object of {name: class_path} (%s)",
-            OVERRIDES_ENV,
-            raw,
-            e,
-        )
+    except ValueError:
         return
     with _LOCK:
         for name, path in payload.items():

@@ -77,6 +77,7 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     """
     from mla_prefill_ext import discovery
 
+    refuse_invalid_overrides()
     discovery.discover()
     found = []
     for member, path in sorted(registered_backends(), key=lambda entry: entry[0].name):
@@ -91,6 +92,13 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
         if claim is not None and claim.matches(capability):
             found.append((member, claim))
     return found
+
+
+def refuse_invalid_overrides() -> None:
+    """Raise ValueError when MLA_PREFILL_BACKEND_OVERRIDES cannot be applied (it would be ignored)."""
+    problem = settings.overrides_problem()
+    if problem is not None:
+        raise ValueError(problem)
 
 
 @cache
@@ -116,8 +124,29 @@ def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = Non
     ``legacy`` is what the host read from its vLLM's own prefill flags (vLLM 0.20's:
     ``patches.legacy_flags``); it counts only when the user set nothing.
     """
-    is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
+    additional_config = getattr(vllm_config, "additional_config", None)
+    is_set, choice = user_setting(additional_config)
+    log_overridden_environment(additional_config)
     return choice if is_set else legacy
+
+
+def log_overridden_environment(additional_config: Any) -> None:
+    """One INFO line when additional_config's choice overrides a different MLA_PREFILL_BACKEND."""
+    ignored = settings.overridden_environment_choice(additional_config)
+    if ignored is not None:
+        _log_overridden_once(str(additional_config[settings.ADDITIONAL_CONFIG_KEY]), ignored)
+
+
+@cache
+def _log_overridden_once(chosen: str, ignored: str) -> None:
+    logger.info(
+        "MLA prefill backend: additional_config['%s']=%r takes precedence over %s=%r, which is "
+        "ignored (unset one of them to silence this).",
+        settings.ADDITIONAL_CONFIG_KEY,
+        chosen,
+        BACKEND_ENV,
+        ignored,
+    )
 
 
 def _describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
@@ -145,8 +174,12 @@ def select(
     choice: Choice | None = None,
 ) -> Selection:
     """Choose a backend (uncached). Raises ValueError when nothing can serve."""
+    refuse_invalid_overrides()
     if choice is not None:
-        member = lookup(choice.name)  # any case; ValueError lists the valid names
+        try:
+            member = lookup(choice.name)  # any case; ValueError lists the valid names
+        except ValueError as e:
+            raise ValueError(f"{e}. The name comes from {choice.source}: correct it there") from None
         cls, reasons = check_backend(member, capability, config)
         if not reasons and cls is not None:
             return Selection(cls, member.name, choice.source, capability, config)

@@ -9,6 +9,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from mla_prefill_ext import settings
 from mla_prefill_ext.cli.common import (
     DTYPES,
     EXIT_CANNOT_CHECK,
@@ -275,6 +276,9 @@ def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Re
         "seed": args.seed,
         "disabled_by_env": is_disabled(),
     }
+    overrides_problem = settings.overrides_problem()  # the selector refuses it; so does a named backend
+    if overrides_problem is not None:
+        return Stopped(facts, overrides_problem)
     # The backend: --backend (a name, checked while parsing, or a class path), else the one the
     # selector picks here (MLA_PREFILL_BACKEND, else automatic) for a DeepSeek-R1 model.
     if args.backend and _is_class_path(args.backend):
