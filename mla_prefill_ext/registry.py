@@ -93,7 +93,13 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
     def get_class(self) -> type[MLAPrefillBackend]:
         """Import and return the backend class (lazily: importing is deferred to here)."""
         path = self.get_path()
-        cls = load_backend_class(path, self.name)
+        try:
+            cls = load_backend_class(path, self.name)
+        except (ImportError, TypeError) as e:
+            fix = self.where_to_fix()
+            if fix is None:
+                raise
+            raise type(e)(f"{str(e).rstrip('.')}. {fix}") from e
         with _LOCK:
             from_entry_point = self.name not in _OVERRIDES and self.name in _ENTRY_POINTS
         if from_entry_point and cls.get_name() != self.name:
@@ -103,6 +109,25 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
                 f"'{cls.get_name()}': the entry point's name must be the backend's name"
             )
         return cls
+
+    def where_to_fix(self) -> str | None:
+        """Where the class path in force was set and what to correct there (None: built-in)."""
+        with _LOCK:
+            if self.name in _FROM_ENVIRONMENT:
+                return f"The class path comes from {OVERRIDES_ENV}: correct its entry {self.name!r} there"
+            if self.name in _OVERRIDES:
+                return (
+                    "The class path was registered by call: correct the one given to "
+                    f"register_mla_prefill_backend for {self.name}"
+                )
+            if self.name in _ENTRY_POINTS:
+                dist = _ENTRY_POINTS[self.name][1] or "?"
+                return (
+                    f"The class path comes from the entry point {self.name!r} of the installed package "
+                    f"{dist}: correct it in that package's entry points (group mla_prefill_ext.backends) "
+                    f"and reinstall it, or uninstall {dist}"
+                )
+        return None
 
     def source(self) -> str:
         """Where the class path in force comes from (for diagnostics)."""

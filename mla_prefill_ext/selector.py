@@ -192,7 +192,9 @@ def select(
                 f"this configuration ({_describe(capability, config)}): {'; '.join(reasons)}"
             )
         if choice.explicit:
-            raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
+            # A registration that does not load is fixed where it was made (the message says where).
+            instead = "Or choose" if cls is None and member.where_to_fix() is not None else "Choose"
+            raise ValueError(f"{message.rstrip('.')}. {instead} another backend or unset {choice.source}.")
         logger.warning("%s. Falling back to automatic selection.", message)
         auto = select(capability, config)
         auto.rejected = {member.name: reasons, **auto.rejected}
