@@ -39,6 +39,8 @@ class _MLAPrefillBackendEnumMeta(EnumMeta):
         if member is None:
             _discover_installed()
             member = cls._member_map_.get(name)
+        if member is None and isinstance(name, str):  # any case, as MLA_PREFILL_BACKEND takes names
+            member = _find(name)
         if member is None:
             valid = ", ".join(cls._member_map_)
             raise ValueError(f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}")
