@@ -10,11 +10,12 @@ The entry's name is the name users select (and must equal the class's
 installed entries itself, as vLLM's own plugins do, so they are there on every node
 that has the package: nothing travels between processes. Discovery runs once per
 process, the first time a backend name is not found, every name is listed or a
-selection runs; it reads package metadata only, and a class is imported when it is
-selected or inspected. A registration by call (:func:`register_mla_prefill_backend`)
-wins over an entry of the same name; entries cannot replace a built-in backend. A
-broken entry is recorded (``info`` shows it) and never affects an engine that does
-not select it.
+selection runs; it reads package metadata only. A class is imported when it is
+selected or inspected, and by automatic selection, to read its claim. A registration by
+call (:func:`register_mla_prefill_backend`) wins over an entry of the same name; entries
+cannot replace a built-in backend. A broken entry is recorded (``info`` shows it) and
+never stops an engine that does not select it: automatic selection leaves it out with one
+warning per process (``selector.claims``).
 """
 
 from __future__ import annotations

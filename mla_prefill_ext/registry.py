@@ -235,7 +235,8 @@ def _discover_installed() -> None:
 
     Called where a name is missed or every name is listed, so that lookups, listings and
     selection all see the installed packages, whoever asks first. Reading their metadata
-    costs a few milliseconds, once; a class is imported only when it is used. A no-op
+    costs a few milliseconds, once; a class is imported when it is used (automatic selection
+    uses every out-of-tree class, for its claim). A no-op
     while this module is still being imported, and inside the discovery itself.
     """
     if not _READY:
