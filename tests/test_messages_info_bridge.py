@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mla_prefill_ext.bridge.report import explain_no_pick
+from mla_prefill_ext.bridge import report
 from mla_prefill_ext.cli.info import ChoiceReport
 from mla_prefill_ext.settings import DISABLE_ENV, ENV_VARS
 from mla_prefill_ext.types import AUTOMATIC
@@ -36,11 +36,11 @@ def test_with_the_addon_off_vllm_decides_alone():
 
 
 def test_an_import_error_of_vllms_pick_is_put_in_words():
-    no_gpu = explain_no_pick(FA_IMPORT_ERROR, None)
+    no_gpu = report.explain_no_pick(FA_IMPORT_ERROR, None)
     assert no_gpu.startswith("vLLM's own automatic selection picks a backend whose module does not import")
     assert "expected on a machine without a GPU" in no_gpu and "MLA_PREFILL_BACKEND=TORCH_SDPA" in no_gpu
-    assert "reinstall vLLM" in explain_no_pick(FA_IMPORT_ERROR, object())
-    assert explain_no_pick("ValueError: no backend can serve", None) is None  # it says itself
+    assert "reinstall vLLM" in report.explain_no_pick(FA_IMPORT_ERROR, object())
+    assert report.explain_no_pick("ValueError: no backend can serve", None) is None  # it says itself
 
 
 def info(**env: str) -> subprocess.CompletedProcess:

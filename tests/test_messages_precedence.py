@@ -39,7 +39,9 @@ def info_log(addon_log):
     logger = logging.getLogger("vllm.mla_prefill_ext")
     level = logger.level
     logger.setLevel(logging.INFO)
-    selector._log_overridden_once.cache_clear()
+    once = getattr(selector, "_log_overridden_once", None)  # it logs once per process
+    if once is not None:
+        once.cache_clear()
     yield addon_log
     logger.setLevel(level)
 
