@@ -70,3 +70,33 @@ def test_info_explains_vllms_pick_when_it_does_not_import():
     if not at or "ImportError" not in lines[at[0]]:
         pytest.skip("vLLM's own automatic pick imports here (or says why not itself)")
     assert lines[at[0] + 1].startswith("    that is: vLLM's own automatic selection picks a backend")
+
+
+# What vLLM 0.23+ and PyTorch log on a machine without a GPU beyond the quick start's list (README).
+BRIDGE_CPU_LOG_LINES = (
+    "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
+    "torch._opaque_base is deprecated",
+)
+
+
+@pytest.mark.vllm_bridge
+def test_the_readme_explains_every_stderr_line_of_check_on_a_cpu():
+    import torch
+    from test_docs import CPU_LOG_LINES, ROOT
+
+    if torch.cuda.is_available():
+        pytest.skip("about a machine without a GPU")
+    environ = {k: v for k, v in os.environ.items() if k not in ENV_VARS and k != "VLLM_LOGGING_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mla_prefill_ext", "check", "--json", "--repeat", "1"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    known = (*CPU_LOG_LINES, *BRIDGE_CPU_LOG_LINES)
+    assert all(" ".join(line.split()) in readme for line in known)
+    for line in filter(str.strip, done.stderr.splitlines()):
+        assert any(k in line for k in known), f"the README does not explain: {line}"
