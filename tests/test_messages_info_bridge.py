@@ -75,7 +75,9 @@ def test_info_explains_vllms_pick_when_it_does_not_import():
 # What vLLM 0.23+ and PyTorch log on a machine without a GPU beyond the quick start's list (README).
 BRIDGE_CPU_LOG_LINES = (
     "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
-    "torch._opaque_base is deprecated",
+    "torch._opaque_base is deprecated, use torch._custom_class_base instead",
+    "register_opaque_type is deprecated, use register_custom_class instead",
+    "typ='value' is deprecated, use typ='constant' instead",
 )
 
 
