@@ -32,7 +32,8 @@ def overrides_findings(raw: str | None) -> list[Finding]:
             Finding(
                 "problem",
                 f"{OVERRIDES_ENV} is a JSON {type(payload).__name__}, not an object of backend names "
-                f"and class paths (e.g. {example}): no MLA prefill backend can be selected until it is fixed.",
+                f"and class paths (e.g. {example}): no MLA prefill backend can be selected until it "
+                "is fixed.",
             )
         ]
     findings = []
