@@ -41,6 +41,10 @@ def load_backend_class(class_path: str, name: str) -> type[MLAPrefillBackend]:
             break
         if obj is None:
             raise ImportError(f"MLA prefill backend {name}: cannot import '{class_path}': {e}") from e
+    except Exception as e:  # the module raised while importing: as broken as a missing library
+        raise ImportError(
+            f"MLA prefill backend {name}: cannot import '{class_path}': {type(e).__name__}: {e}"
+        ) from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

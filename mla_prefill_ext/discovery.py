@@ -15,11 +15,13 @@ found, each entry with the problem that makes it unusable (None: usable). It
 registers nothing and imports nothing of the add-on: the registry
 (``registry.discover_installed``) scans once per process, the first time a backend
 name is not found, every name is listed or a selection runs, and registers the
-usable entries. A class is imported when it is selected or inspected. A
+usable entries. A class is imported when it is selected or inspected,
+and by automatic selection, to read its claim. A
 registration by call wins over an entry of the same name; entries cannot replace a
-built-in backend. A broken entry is recorded (``info`` shows it) and never affects
-an engine that does not select it: :func:`entry_problem` is where an entry is
-judged unusable.
+built-in backend. A broken entry is recorded (``info`` shows it) and never stops
+an engine that does not select it (automatic selection leaves it out with one warning
+per package, ``selector.claims``): :func:`entry_problem` is where an entry is judged
+unusable.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ class _MLAPrefillBackendEnumMeta(EnumMeta):
         if member is None:
             discover_installed()
             member = cls._member_map_.get(name)
+        if member is None and isinstance(name, str):  # any case, as MLA_PREFILL_BACKEND takes names
+            member = _find(name)
         if member is None:
             valid = ", ".join(cls._member_map_)
             raise ValueError(f"Unknown MLA prefill backend: '{name}'. Valid options are: {valid}")
@@ -93,7 +95,13 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
     def get_class(self) -> type[MLAPrefillBackend]:
         """Import and return the backend class (lazily: importing is deferred to here)."""
         path = self.get_path()
-        cls = load_backend_class(path, self.name)
+        try:
+            cls = load_backend_class(path, self.name)
+        except (ImportError, TypeError) as e:
+            fix = self.where_to_fix()
+            if fix is None:
+                raise
+            raise type(e)(f"{str(e).rstrip('.')}. {fix}") from e
         with _LOCK:
             from_entry_point = self.name not in _OVERRIDES and self.name in _ENTRY_POINTS
         if from_entry_point and cls.get_name() != self.name:
@@ -103,6 +111,25 @@ class MLAPrefillBackendEnum(Enum, metaclass=_MLAPrefillBackendEnumMeta):
                 f"'{cls.get_name()}': the entry point's name must be the backend's name"
             )
         return cls
+
+    def where_to_fix(self) -> str | None:
+        """Where the class path in force was set and what to correct there (None: built-in)."""
+        with _LOCK:
+            if self.name in _FROM_ENVIRONMENT:
+                return f"The class path comes from {OVERRIDES_ENV}: correct its entry {self.name!r} there"
+            if self.name in _OVERRIDES:
+                return (
+                    "The class path was registered by call: correct the one given to "
+                    f"register_mla_prefill_backend for {self.name}"
+                )
+            if self.name in _ENTRY_POINTS:
+                dist = _ENTRY_POINTS[self.name][1] or "?"
+                return (
+                    f"The class path comes from the entry point {self.name!r} of the installed package "
+                    f"{dist}: correct it in that package's entry points (group mla_prefill_ext.backends) "
+                    f"and reinstall it, or uninstall {dist}"
+                )
+        return None
 
     def source(self) -> str:
         """Where the class path in force comes from (for diagnostics)."""
@@ -210,7 +237,8 @@ def discover_installed(refresh: bool = False) -> list[discovery.EntryPointStatus
     Called where a name is missed or every name is listed, so that lookups, listings and
     selection all see the installed packages, whoever asks first; another thread waits for
     the one in progress. Reading their metadata costs a few milliseconds, once; a class is
-    imported only when it is used. ``refresh``: scan again (a package installed since).
+    imported when it is used (automatic selection uses every out-of-tree class, for its
+    claim). ``refresh``: scan again (a package installed since).
     """
     global _DISCOVERED
     with _LOCK:
@@ -365,15 +393,13 @@ def _apply_environment() -> None:
     raw = settings.overrides_in_environment()
     if not raw:
         return
+    problem = settings.overrides_problem()
+    if problem is not None:
+        # The selector refuses to select while it stands (settings.overrides_problem).
+        logger.error("%s. No MLA prefill backend can be selected until it is fixed.", problem)
     try:
         payload = settings.parse_overrides(raw)
-    except ValueError as e:
-        logger.error(
-            "Ignoring %s=%r: it is not a JSON object of {name: class_path} (%s)",
-            OVERRIDES_ENV,
-            raw,
-            e,
-        )
+    except ValueError:
         return
     with _LOCK:
         for name, path in payload.items():

@@ -76,6 +76,7 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     order of their names, so that claims at the same place are tried in that order in
     every process, whenever each backend was registered or discovered.
     """
+    refuse_invalid_overrides()
     registry.discover_installed()
     found = []
     for member, path in sorted(registered_backends(), key=lambda entry: entry[0].name):
@@ -98,6 +99,13 @@ def claims(capability: DeviceCapability | None) -> list[tuple[MLAPrefillBackendE
     return found
 
 
+def refuse_invalid_overrides() -> None:
+    """Raise ValueError when MLA_PREFILL_BACKEND_OVERRIDES cannot be applied (it would be ignored)."""
+    problem = settings.overrides_problem()
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def mla_prefill_backend_priorities(
     capability: DeviceCapability | None,
 ) -> list[MLAPrefillBackendEnum]:
@@ -116,8 +124,28 @@ def requested_choice(vllm_config: VllmConfig | None, legacy: Choice | None = Non
     ``legacy`` is what the host read from its vLLM's own prefill flags (vLLM 0.20's:
     ``hosts.vllm_0_20.legacy_flags``); it counts only when the user set nothing.
     """
-    is_set, choice = user_setting(getattr(vllm_config, "additional_config", None))
+    additional_config = getattr(vllm_config, "additional_config", None)
+    is_set, choice = user_setting(additional_config)
+    log_overridden_environment(additional_config)
     return choice if is_set else legacy
+
+
+def log_overridden_environment(additional_config: Any) -> None:
+    """One INFO line when additional_config's choice overrides a different MLA_PREFILL_BACKEND."""
+    ignored = settings.overridden_environment_choice(additional_config)
+    if ignored is None:
+        return
+    chosen = str(additional_config[settings.ADDITIONAL_CONFIG_KEY])
+    log_once(
+        logging.INFO,
+        ("overridden environment", chosen, ignored),
+        "MLA prefill backend: additional_config['%s']=%r takes precedence over %s=%r, which is "
+        "ignored (unset one of them to silence this).",
+        settings.ADDITIONAL_CONFIG_KEY,
+        chosen,
+        BACKEND_ENV,
+        ignored,
+    )
 
 
 def describe(capability: DeviceCapability | None, config: MLAPrefillSelectorConfig) -> str:
@@ -146,8 +174,12 @@ def select(
     choice: Choice | None = None,
 ) -> Selection:
     """Choose a backend (uncached). Raises ValueError when nothing can serve."""
+    refuse_invalid_overrides()
     if choice is not None:
-        member = lookup(choice.name)  # any case; ValueError lists the valid names
+        try:
+            member = lookup(choice.name)  # any case; ValueError lists the valid names
+        except ValueError as e:
+            raise ValueError(f"{e}. The name comes from {choice.source}: correct it there") from None
         cls, reasons = check_backend(member, capability, config)
         if not reasons and cls is not None:
             return Selection(cls, member.name, choice.source, capability, config)
@@ -160,7 +192,9 @@ def select(
                 f"this configuration ({describe(capability, config)}): {'; '.join(reasons)}"
             )
         if choice.explicit:
-            raise ValueError(f"{message}. Choose another backend or unset {choice.source}.")
+            # A registration that does not load is fixed where it was made (the message says where).
+            instead = "Or choose" if cls is None and member.where_to_fix() is not None else "Choose"
+            raise ValueError(f"{message.rstrip('.')}. {instead} another backend or unset {choice.source}.")
         logger.warning("%s. Falling back to automatic selection.", message)
         auto = select(capability, config)
         auto.rejected = {member.name: reasons, **auto.rejected}

@@ -109,6 +109,47 @@ def parse_overrides(raw: str) -> dict[Any, Any]:
     return payload
 
 
+OVERRIDES_EXAMPLE = '{"MY_PREFILL": "my_pkg.prefill.MyPrefillBackend"}'
+"""The right form of :data:`OVERRIDES_ENV`, as error messages show it."""
+
+
+def overrides_problem() -> str | None:
+    """Why this process's :data:`OVERRIDES_ENV` cannot be applied (None: unset, empty or usable).
+
+    An invalid value is refused, not ignored: an override that silently fails to apply would
+    run another backend than the one registered.
+    """
+    raw = overrides_in_environment()
+    if not raw:
+        return None
+    try:
+        payload = parse_overrides(raw)
+    except ValueError as e:
+        why = f"it is not a JSON object of {{name: class_path}} ({e})"
+    else:
+        names = [k for k in payload if not (k.isidentifier() and not k.startswith("_"))]
+        paths = [k for k, v in payload.items() if not isinstance(v, str) or not v]
+        if not names and not paths:
+            return None
+        why = "; ".join(
+            [f"{k!r} is not a backend name (an identifier such as MY_PREFILL)" for k in names]
+            + [f"the class path of {k!r} is not a non-empty string" for k in paths]
+        )
+    return f"{OVERRIDES_ENV}={raw!r} cannot be used: {why}. Write it as {OVERRIDES_ENV}='{OVERRIDES_EXAMPLE}'"
+
+
+def overridden_environment_choice(additional_config: Any) -> str | None:
+    """The raw :data:`BACKEND_ENV` that ``additional_config``'s own choice overrides (None: none).
+
+    Only when the two differ (``auto`` in ``additional_config`` cancels a name in the environment).
+    """
+    value = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
+    env = os.environ.get(BACKEND_ENV)
+    if not isinstance(value, str) or not value.strip() or env is None or not env.strip():
+        return None
+    return None if value.strip().upper() == env.strip().upper() else env
+
+
 def overrides_in_environment() -> str | None:
     """The raw :data:`OVERRIDES_ENV` of this process (None or empty: no registration)."""
     return os.environ.get(OVERRIDES_ENV)

@@ -60,11 +60,11 @@ runs in nox's own interpreter tests it); the others get an environment each unde
 NEWEST_TESTED: Release = (0, 33, 0)
 """Releases of this minor line and older are in the tested range; later ones warn."""
 
-SUPPORTED_TEXT = "vllm 0.20.x or >=0.23"
-"""The supported releases in one phrase, for messages and the CLI (the README says the modes)."""
+SUPPORTED_TEXT = "vLLM 0.20.x (patched) or 0.23+ (bridged)"
+"""The supported releases in one phrase, for messages, ``--help`` and the README's first line."""
 
 INSTALL_SPEC = "vllm==0.33.0"
-"""What an install hint suggests (the newest tested release)."""
+"""What an install hint suggests (the newest tested release; the hint names the whole range too)."""
 
 
 class Decision(NamedTuple):

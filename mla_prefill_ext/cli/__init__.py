@@ -137,8 +137,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         json_errors=json_errors,
         prog=PROG,
-        description="Diagnostics for the pluggable MLA prefill backends this add-on brings to vLLM "
-        "(0.20.x, patched; 0.23 and later, bridged).",
+        description="Diagnostics for the pluggable MLA prefill backends this add-on brings to "
+        f"{supported_range()}.",
         epilog="Exit codes: 0 all is well, 1 a problem was found, 2 the check could not run "
         "(vLLM or PyTorch missing, or a bad flag).",
     )

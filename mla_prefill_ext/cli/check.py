@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+import traceback
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from mla_prefill_ext import settings
 from mla_prefill_ext.cli.common import (
     DTYPES,
     EXIT_CANNOT_CHECK,
     EXIT_OK,
     EXIT_PROBLEM,
+    PROG,
     CannotCheck,
     Report,
     backend_choice,
@@ -119,6 +123,7 @@ class PrefillCheck(CheckReport):
             "time_ms_median": self.median * 1e3,
             "time_ms_all": [t * 1e3 for t in self.times],
             "tflops": self.flops / self.median / 1e12,
+            **({} if self.ok else {"next": self.next_step().removeprefix("next: ")}),
         }
 
     def body_lines(self) -> list[str]:
@@ -134,7 +139,16 @@ class PrefillCheck(CheckReport):
             f"time: {self.median * 1e3:.2f} ms median of {len(self.times)} "
             f"({self.flops / self.median / 1e12:.3f} TFLOP/s)",
             "PASS" if self.ok else "FAIL: the output is not within the tolerance of the float64 reference.",
+            *([] if self.ok else [self.next_step()]),
         ]
+
+    def next_step(self) -> str:
+        """What to run to learn why the output is off (this check compares the output only)."""
+        return (
+            f"next: run `{PROG} check --backend {self.facts['backend']} --conformance`: it checks each "
+            "property on its own (softmax scale, causal mask, LSE base and layout, context chunks, ...) "
+            "and names the one that fails"
+        )
 
 
 @dataclass
@@ -231,6 +245,8 @@ def _check_prefill(args: argparse.Namespace, vllm_version: str | None) -> Report
             times.append(time.perf_counter() - t0)
         ref = problem.reference(scale).to(out.device)
     except Exception as e:  # the backend under test failed: that is the finding
+        if getattr(args, "debug", False):  # the finding stays a report; --debug adds where it was raised
+            traceback.print_exc(file=sys.stderr)
         return Stopped(facts, f"backend {selection.name} failed: {describe_exception(e)}")
     err = (out.to(torch.float64) - ref).abs()
     ref_max = ref.abs().max().item()
@@ -275,6 +291,9 @@ def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Re
         "seed": args.seed,
         "disabled_by_env": is_disabled(),
     }
+    overrides_problem = settings.overrides_problem()  # the selector refuses it; so does a named backend
+    if overrides_problem is not None:
+        return Stopped(facts, overrides_problem)
     # The backend: --backend (a name, checked while parsing, or a class path), else the one the
     # selector picks here (MLA_PREFILL_BACKEND, else automatic) for a DeepSeek-R1 model.
     if args.backend and _is_class_path(args.backend):

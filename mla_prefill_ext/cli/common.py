@@ -61,9 +61,12 @@ def supported_range() -> str:
 
 
 def install_hint() -> str:
-    from mla_prefill_ext.versions import INSTALL_SPEC
+    from mla_prefill_ext.versions import INSTALL_SPEC, TESTED
 
-    return f"install a supported vLLM, which brings PyTorch: pip install '{INSTALL_SPEC}'"
+    return (
+        f"install {supported_range()}, which brings PyTorch (tested: {', '.join(TESTED)}; the newest "
+        f"tested: pip install '{INSTALL_SPEC}')"
+    )
 
 
 def _dist_version(name: str) -> str | None:

@@ -42,6 +42,13 @@ class ChoiceReport:
             lines = [f"backend choice: automatic ({BACKEND_ENV} is unset or 'auto')"]
         else:
             lines = [f"backend choice: {info['requested']} (from {info['source']})"]
+        if info.get("vllm_decides") and info.get("disabled"):  # the add-on is off: nothing of it decides
+            lines.append(
+                "  the add-on is off: vLLM's attention_config.mla_prefill_backend, or else vLLM's own "
+                "automatic selection, decides as in stock vLLM (no claims, no TORCH_SDPA fallback); "
+                "`select` shows what the add-on would do if it were on"
+            )
+            return lines
         if info.get("vllm_decides"):  # vLLM 0.23+ with no add-on choice: the bridge reports vLLM's pick
             lines.append(
                 "  vLLM's attention_config.mla_prefill_backend, or else vLLM's own automatic selection "
@@ -94,7 +101,7 @@ def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
         "error": None,
     }
     if bridged and choice is None:
-        info["vllm_decides"] = True
+        info["vllm_decides"], info["disabled"] = True, disabled
         return ChoiceReport(info, findings)
     try:
         if choice is not None:
@@ -312,8 +319,14 @@ def cmd_info(args: argparse.Namespace) -> Report:
     # What the host in force (the patch on 0.20, the bridge on 0.23+) reports about itself.
     st = hosts.host_report(mode.mode, mla_module)
     targets, patched = st.targets, st.instrumented
+    host_lines = st.lines
     if not disabled:
         findings += [Finding("problem", p) for p in st.problems]
+    elif bridged and not patched:  # off, as set: not a finding to look for
+        host_lines = [
+            f"bridge: not in place ({DISABLE_ENV} is set): vLLM's own MLA prefill registry and "
+            "selection run untouched"
+        ]
     if not disabled and not patched and version_reason is None and not refusals and mla_module is not None:
         findings.append(
             Finding(
@@ -357,5 +370,5 @@ def cmd_info(args: argparse.Namespace) -> Report:
         findings=findings,
         mode=mode.mode,
         bridge=st.info,
-        bridge_lines=st.lines,
+        bridge_lines=host_lines,
     )

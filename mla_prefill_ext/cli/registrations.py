@@ -22,7 +22,8 @@ def overrides_findings(raw: str | None) -> list[Finding]:
         return [
             Finding(
                 "problem",
-                f"{OVERRIDES_ENV} is not valid JSON ({e}), so none of its registrations is in force. "
+                f"{OVERRIDES_ENV} is not valid JSON ({e}): no MLA prefill backend can be selected (an "
+                "engine stops at start) until it is fixed. "
                 f"It takes a JSON object of backend names and class paths, e.g. {example}.",
             )
         ]
@@ -31,7 +32,8 @@ def overrides_findings(raw: str | None) -> list[Finding]:
             Finding(
                 "problem",
                 f"{OVERRIDES_ENV} is a JSON {type(payload).__name__}, not an object of backend names "
-                f"and class paths (e.g. {example}), so it is ignored.",
+                f"and class paths (e.g. {example}): no MLA prefill backend can be selected until it "
+                "is fixed.",
             )
         ]
     findings = []

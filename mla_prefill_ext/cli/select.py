@@ -92,6 +92,7 @@ class SelectReport(Report):
         where = "without a GPU" if cap is None else f"on compute capability {cap.major}.{cap.minor}"
         sources = {name: claim["source"] for name, claim in self.claims.items()}
         consequence = "this is what the add-on would select if it were on"
+        width = max([14, *(len(c["name"]) for c in self.candidates)])  # one column, long names too
         return [
             *disabled_lines(self.disabled, consequence),
             f"capability {cap_str(cap)}, dtype {self.dtype}, DeepSeek-R1 MLA dims: "
@@ -102,7 +103,7 @@ class SelectReport(Report):
             *selected,
             "candidates:",
             *(
-                f"  {c['name']:<14} {'valid' if c['valid'] else 'invalid: ' + '; '.join(c['reasons'])}"
+                f"  {c['name']:<{width}} {'valid' if c['valid'] else 'invalid: ' + '; '.join(c['reasons'])}"
                 for c in self.candidates
             ),
         ]

@@ -19,7 +19,7 @@ from entry_point_packages import fake_backend, install
 from pip_install import pip_install
 from vllm.platforms.interface import DeviceCapability
 
-from mla_prefill_ext import discovery, registry, selector
+from mla_prefill_ext import registry, selector
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
 from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 

@@ -252,8 +252,9 @@ def test_explicit_choice_whose_class_does_not_import_says_so() -> None:
         selector.select(None, R1_BF16, choice)
     assert str(info.value) == (
         "MLA prefill backend CUSTOM (from MLA_PREFILL_BACKEND) cannot be loaded: cannot import "
-        "'nowhere_pkg.NoBackend': No module named 'nowhere_pkg'. Choose another backend or unset "
-        "MLA_PREFILL_BACKEND."
+        "'nowhere_pkg.NoBackend': No module named 'nowhere_pkg'. The class path was registered by call: "
+        "correct the one given to register_mla_prefill_backend for CUSTOM. Or choose another backend or "
+        "unset MLA_PREFILL_BACKEND."
     )
 
 

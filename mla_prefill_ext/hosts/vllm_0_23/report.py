@@ -36,6 +36,23 @@ def _native_pick(shape: Any) -> tuple[str | None, str | None]:
     return cls.get_name(), None
 
 
+def explain_no_pick(error: str, capability: Any) -> str | None:
+    """What vLLM's own automatic selection failing with ``error`` means here, in words (None: it says)."""
+    if not error.startswith(("ImportError", "ModuleNotFoundError")):
+        return None
+    why = (
+        "expected on a machine without a GPU: vLLM's GPU kernels (e.g. its FlashAttention build) are "
+        "absent here, and on a GPU vLLM picks normally"
+        if capability is None
+        else "vLLM's installation lacks what its pick needs (reinstall vLLM)"
+    )
+    return (
+        f"vLLM's own automatic selection picks a backend whose module does not import on this machine; "
+        f"{why}. An explicit choice (e.g. MLA_PREFILL_BACKEND=TORCH_SDPA) does not use it, and "
+        "`check` and `select` do not need it"
+    )
+
+
 def host_report(mla_module: ModuleType | None = None) -> HostReport:
     """The bridge's state, vLLM's registry as it stands, and vLLM's automatic pick here."""
     from mla_prefill_ext.hosts.vllm_0_23 import bridge, vllm_registry_sync
@@ -88,5 +105,11 @@ def host_report(mla_module: ModuleType | None = None) -> HostReport:
     if pick is not None:
         lines.append(f"  vLLM's automatic pick here, for a bfloat16 model with DeepSeek-R1 dims: {pick}")
     else:
+        from mla_prefill_ext.selector import current_device_capability
+
         lines.append(f"  vLLM's automatic pick here: none ({error})")
+        meaning = explain_no_pick(error or "", current_device_capability())
+        info["automatic_error_meaning"] = meaning
+        if meaning is not None:
+            lines.append(f"    that is: {meaning}")
     return HostReport(bool(state.instrumented), None, [], info, lines, problems)

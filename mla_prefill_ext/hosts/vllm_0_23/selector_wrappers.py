@@ -44,9 +44,11 @@ def _config_arg(args: tuple, kwargs: dict) -> Any:
 
 def addon_choice(vllm_config: Any) -> Any:
     """The add-on's explicit choice for this configuration (None: automatic or unset)."""
-    from mla_prefill_ext import settings
+    from mla_prefill_ext import selector, settings
 
-    return settings.explicit_choice(getattr(vllm_config, "additional_config", None))
+    additional_config = getattr(vllm_config, "additional_config", None)
+    selector.log_overridden_environment(additional_config)
+    return settings.explicit_choice(additional_config)
 
 
 def native_choice(vllm_config: Any) -> Any:

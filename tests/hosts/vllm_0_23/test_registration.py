@@ -33,7 +33,10 @@ def synced(bridged: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def test_the_class_path_vllm_holds_is_the_adapters():
-    assert registration.adapter_path("TORCH_SDPA") == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.TORCH_SDPA"
+    assert (
+        registration.adapter_path("TORCH_SDPA")
+        == "mla_prefill_ext.hosts.vllm_0_23.adapter_classes.TORCH_SDPA"
+    )
 
 
 def test_vllms_own_names_are_its_members_without_custom(synced):

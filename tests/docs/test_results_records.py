@@ -10,7 +10,7 @@ import pytest
 
 from scripts.gpu_harness import scenarios
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 MAX_BYTES = 2_000_000
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_log_lines import CPU_LOG_LINES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name: str):
@@ -39,15 +40,6 @@ def test_readme_quick_start_commands_exist():
         in (ROOT / "noxfile.py").read_text()
     )
     assert ".venv/bin/python -m nox" in text
-
-
-# What vLLM and PyTorch log on a machine without a GPU; the README's Quick start explains each.
-CPU_LOG_LINES = (
-    "No CUDA runtime is found, using CUDA_HOME=",
-    "Triton is installed but 0 active driver(s) found (expected 1).",
-    "Triton not installed or not compatible; certain GPU-related functions will not be available.",
-    "Failed to import from vllm._C: ImportError('libcuda.so.1: cannot open shared object file:",
-)
 
 
 @pytest.mark.vllm_patch  # the quick start's environment (scripts/setup.sh: vLLM 0.20.2)

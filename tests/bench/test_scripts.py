@@ -14,7 +14,7 @@ import pytest
 
 from scripts.bench import MEASUREMENTS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "bench"
 SCRIPTS = sorted(MEASUREMENTS)
 

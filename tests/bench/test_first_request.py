@@ -16,7 +16,7 @@ import pytest
 from scripts.bench import first_request as bench
 from scripts.bench import workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "scripts.bench", "first_request"]  # run from ROOT
 
 

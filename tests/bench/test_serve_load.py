@@ -20,7 +20,7 @@ import pytest
 
 from scripts.bench import serve_load as bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "scripts.bench", "serve_load"]  # run from ROOT
 
 
