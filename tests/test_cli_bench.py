@@ -330,3 +330,94 @@ def test_shapes_and_dims_parse() -> None:
     for bad in ("128,64,128", "0,1,1,1", "r2"):
         with pytest.raises(ValueError, match="qk_nope,qk_rope,v,heads"):
             parse_dims(bad)
+
+
+# The GPU record's comparison with scripts/bench/kernel.py (its plumbing, on the CPU)
+
+BENCH_SCRIPTS = ROOT / "scripts" / "bench"
+
+
+def _load_bench_vs_kernel() -> Any:
+    import importlib.util
+
+    sys.path.insert(0, str(BENCH_SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_vs_kernel", BENCH_SCRIPTS / "bench_vs_kernel.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH_SCRIPTS))
+    return module
+
+
+def test_bench_vs_kernel_pairs_each_shape_with_kernel_rows_and_flags_a_gap() -> None:
+    pairs = _load_bench_vs_kernel().pairs
+    bench = {
+        "dims": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_heads": 16},
+        "shapes": [
+            {"label": "1x4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 0, "chunks": 0},
+            {"label": "1x4096+4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 4096, "chunks": 1},
+            {"label": "1x4096+8192/2", "seqs": 1, "new_tokens": 4096, "context_tokens": 8192, "chunks": 2},
+        ],
+        "results": [
+            {"backend": "FLASH_ATTN", "shape": "1x4096", "time_ms": 1.02},
+            {"backend": "FLASH_ATTN", "shape": "1x4096+4096", "time_ms": 3.6},
+            {"backend": "FLASH_ATTN", "shape": "1x4096+8192/2", "time_ms": 5.0},
+            {"backend": "EXAMPLE", "shape": "1x4096", "time_ms": 1.1},
+        ],
+    }
+
+    def row(op: str, ms: float, heads: int = 16) -> dict[str, Any]:
+        return {"backend": "FLASH_ATTN", "op": op, "dims": [128, 64, 128], "heads": heads, "shape": "1x4096",
+                "backend_ms": ms}  # fmt: skip
+
+    kernel = {
+        "kernel": [row("new_tokens", 1.0), row("context_chunk", 2.0), row("new_tokens", 9.0, heads=128)]
+    }
+    got = pairs(bench, kernel, 0.05)
+    assert [(p["backend"], p["shape"], p["kernel_ops"]) for p in got] == [
+        ("FLASH_ATTN", "1x4096", ["new_tokens"]),
+        ("FLASH_ATTN", "1x4096+4096", ["new_tokens", "context_chunk"]),
+    ]
+    assert got[0]["ratio"] == pytest.approx(1.02) and got[0]["within_tolerance"]
+    assert got[1]["kernel_ms"] == pytest.approx(3.0) and not got[1]["within_tolerance"]  # 20% apart
+
+
+@pytest.mark.vllm_patch  # kernel.py records vLLM 0.20.2's runs (as tests/test_bench_script.py)
+def test_bench_and_kernel_benchmark_meet_on_the_same_shapes(tmp_path: Path) -> None:
+    """kernel.py's CPU case (R1 dims, 2 heads, 1x64 with 64 cached tokens) and bench on those shapes."""
+    kernel_json, bench_json, pairs_json = (
+        tmp_path / "kernel.json",
+        tmp_path / "bench.json",
+        tmp_path / "pairs.json",
+    )
+    args = ["bench", "--backend", "TORCH_SDPA", "--device", "cpu", "--dims", "128,64,128,2", "--json"]
+    shapes = ["--shapes", "1x64,1x64+64,2x32", "--repeat", "2", "--warmup", "1"]
+    bench_proc = bench(*args, *shapes)
+    kernel = [
+        str(BENCH_SCRIPTS / "kernel.py"),
+        "--device",
+        "cpu",
+        "--rounds",
+        "1",
+        "--json",
+        str(kernel_json),
+    ]
+    kernel_proc = subprocess.run(
+        [sys.executable, *kernel], capture_output=True, text=True, timeout=600, env=cli_env()
+    )
+    done = finish(bench_proc)
+    assert kernel_proc.returncode == 0 and done.returncode == 0, (
+        kernel_proc.stderr[-2000:] + done.stderr[-2000:]
+    )
+    bench_json.write_text(done.stdout)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_SCRIPTS / "bench_vs_kernel.py"), "--bench", str(bench_json), "--kernel",
+         str(kernel_json), "--tolerance", "1000", "--json", str(pairs_json)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(pairs_json.read_text())["pairs"]
+    assert [(p["backend"], p["shape"]) for p in got] == [("TORCH_SDPA", "1x64"), ("TORCH_SDPA", "1x64+64")]
+    assert all(p["bench_ms"] > 0 and p["kernel_ms"] > 0 for p in got)
+    assert "| TORCH_SDPA | 1x64+64 | 2 |" in proc.stdout
