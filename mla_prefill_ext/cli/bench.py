@@ -167,6 +167,7 @@ class BenchReport(Report):
     """Every backend measured on every shape, with each one's ratio to the fastest built-in."""
 
     facts: dict[str, Any]
+    capability: Any  # vLLM's DeviceCapability, None: no GPU
     dims: MLADims
     scale: float
     candidates: list[Any]  # mla_prefill_ext.bench.run.Candidate
@@ -190,7 +191,7 @@ class BenchReport(Report):
     def to_json(self) -> dict[str, Any]:
         flops = {r.shape: r.flops for r in self.rows if r.flops}
         return {
-            **_public(self.facts),
+            **self.facts,
             "ok": not self.failures,
             "dims": {
                 "qk_nope_head_dim": self.dims.qk_nope_head_dim,
@@ -273,7 +274,7 @@ class BenchReport(Report):
             f"under test (*): {under}",
             f"built-ins that can serve here: {', '.join(measured) or 'none (no ratio to show)'}",
             *([f"built-ins left out: {left}"] if left else []),
-            f"device: {f['device']}, capability {cap_str(f['_capability'])}, dtype {f['dtype']}; "
+            f"device: {f['device']}, capability {cap_str(self.capability)}, dtype {f['dtype']}; "
             f"vLLM {f['vllm_version']}, {f['calls']}",
             f"MLA dims: {self.dims.label}, scale {self.scale:.6f}",
             f"timing: median of {f['repeat']} repetitions after {f['warmup']} warm-up steps, device "
@@ -337,7 +338,6 @@ def cmd_bench(args: argparse.Namespace) -> Report:
     facts: dict[str, Any] = {
         "device": device,
         "capability": cap_json(cap),
-        "_capability": cap,
         "dtype": args.dtype,
         "vllm_version": host.vllm_version,
         "calls": _describe_calls(convention),
@@ -363,7 +363,7 @@ def cmd_bench(args: argparse.Namespace) -> Report:
         try:
             selection = select(cap, config, backend_choice(args))
         except (TypeError, ValueError) as e:
-            return BenchStopped(_public(facts), str(e))
+            return BenchStopped(facts, str(e))
         auto = chosen_automatically(selection.source)
         sources[selection.name] = "selected automatically here" if auto else f"from {selection.source}"
     candidates: list[Any] = []
@@ -372,7 +372,7 @@ def cmd_bench(args: argparse.Namespace) -> Report:
         cls, reasons = check_backend(member, cap, config)
         if cls is None or reasons:
             verb = "cannot be loaded" if cls is None else f"cannot serve here ({where})"
-            return BenchStopped(_public(facts), f"MLA prefill backend {name} {verb}: {'; '.join(reasons)}")
+            return BenchStopped(facts, f"MLA prefill backend {name} {verb}: {'; '.join(reasons)}")
         candidates.append(Candidate(name, cls, under_test=True, builtin=_is_builtin(member)))
 
     # The built-ins that can serve here (the reference for every ratio); why each other cannot.
@@ -403,17 +403,13 @@ def cmd_bench(args: argparse.Namespace) -> Report:
         )
     except Exception as e:  # the benchmark itself failed (a failing backend is a row, never raised)
         message = f"the benchmark cannot run with vLLM {host.vllm_version}: {describe_exception(e)}"
-        return BenchStopped(_public(facts), message, EXIT_CANNOT_CHECK)
-    return BenchReport(facts, dims, scale, candidates, sources, left_out, rows, list(args.shapes))
+        return BenchStopped(facts, message, EXIT_CANNOT_CHECK)
+    return BenchReport(facts, cap, dims, scale, candidates, sources, left_out, rows, list(args.shapes))
 
 
 def _is_builtin(member: Any) -> bool:
     """A backend the add-on ships, not replaced by an override (CUSTOM and registered names are not)."""
     return member.value is not None and not member.is_overridden()
-
-
-def _public(facts: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in facts.items() if not k.startswith("_")}
 
 
 def _progress(text: str) -> None:
