@@ -1,9 +1,10 @@
-"""The command line ``mla-prefill-ext info | select | check``: the parser, the command table, ``main``.
+"""The command line ``mla-prefill-ext info | select | check | bench``: the parser, the commands, ``main``.
 
 ``info`` checks the installation (and says whether the add-on serves MLA prefill on
 this platform, and which backends claim a place in automatic selection), ``select``
 shows which backend would serve and the automatic order it used, ``check`` runs one
-prefill against a float64 reference, or with ``--conformance`` the conformance suite.
+prefill against a float64 reference, or with ``--conformance`` the conformance suite,
+``bench`` times backends next to the built-ins that can serve here.
 Each command lives in a module of its own and fills one report (``common.Report``),
 which ``main`` prints once, as text or as JSON.
 
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from mla_prefill_ext.cli import bench
 from mla_prefill_ext.cli.check import DEFAULT_CHECK_DTYPE, DEFAULT_CHECK_REPEAT, cmd_check
 from mla_prefill_ext.cli.common import (
     DTYPES,
@@ -57,6 +59,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Report]] = {
     "info": cmd_info,
     "select": cmd_select,
     "check": cmd_check,
+    "bench": bench.cmd_bench,
 }
 
 
@@ -143,7 +146,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         "(vLLM or PyTorch missing, or a bad flag).",
     )
     parser.add_argument("--version", action="version", version=_version_line())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,select,check}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,select,check,bench}")
 
     sub.add_parser(
         "info",
@@ -235,6 +238,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         metavar="N",
         help="seed of the random inputs (default: %(default)s)",
     )
+
+    bench.add_parser(sub, json_errors)
 
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="print the report as JSON (on stdout)")

@@ -23,7 +23,7 @@ def test_version() -> None:
 def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
-    assert set(subparsers) == {"info", "select", "check"}
+    assert set(subparsers) == {"info", "select", "check", "bench"}
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings} has no help"

@@ -1,0 +1,57 @@
+"""How ``bench`` times a call: the median of repetitions after warm-up, with the device synchronised.
+
+As ``scripts/bench/kernel.py`` does it: one timed call sizes a repetition (enough calls back to
+back that it lasts about ``min_repetition_s``, at most ``max_calls``), so that the clock and the
+synchronisation cost little next to the work; each repetition is timed from a synchronised device
+to a synchronised device; the result is the median over the repetitions, per call.
+Needs neither vLLM nor PyTorch: the clock and the synchronisation are arguments.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+MIN_REPETITION_S = 0.02
+MAX_CALLS = 200
+
+
+class Timing(NamedTuple):
+    """Seconds per call: the median, and each repetition's."""
+
+    median_s: float
+    samples_s: list[float]
+    calls_per_repetition: int
+
+
+def median_time(
+    fn: Callable[[], object],
+    *,
+    sync: Callable[[], None],
+    repeat: int,
+    warmup: int,
+    min_repetition_s: float = MIN_REPETITION_S,
+    max_calls: int = MAX_CALLS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """``fn``'s time per call: ``warmup`` untimed calls, then the median of ``repeat`` repetitions."""
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"repeat must be at least 1 and warmup at least 0, got {repeat} and {warmup}")
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = clock()
+    fn()
+    sync()
+    once = clock() - start
+    calls = max(1, min(max_calls, int(min_repetition_s / max(once, 1e-9))))
+    samples = []
+    for _ in range(repeat):
+        start = clock()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((clock() - start) / calls)
+    return Timing(statistics.median(samples), samples, calls)
