@@ -5,16 +5,17 @@ finding them never waits for the GPU. A request offers the blocks that lie wholl
 context (``context_len // block_size`` of them); a partly filled last block is private.
 
 Rule for nested sharing. Sorting the offered rows lexicographically turns their longest common
-prefixes into a tree (the trie of rows, compressed): each node is a run of sorted requests and
-the number of leading blocks they all share. Each request joins at most one group, and a
-group's shared segment is the common prefix of all its members, so a request attends one
-shared segment and then its own remainder. Among those partitions the one with the largest
-total ``value`` wins, found by one pass over the tree: a node either forms one group of all
-its requests or leaves them to its sub-nodes' best choice; on a tie the larger group wins
-(fewer segments, more queries per kernel call). Example: A, B, C, D share 10 blocks and A, B
-share 10 more; with the default value (context tokens up-projected once instead of per member)
-both {A, B, C, D} x 10 and {A, B} x 20 + {C, D} x 10 save 30 blocks, and the tie gives one group
-of four. A request sharing no leading full block with another joins no group.
+prefixes into a tree (the trie of rows, compressed): each node is a set of requests and the
+number of leading blocks they all share. Each request joins at most one group, and a group's
+shared segment is the common prefix of all its members, so a request attends one shared
+segment and then its own remainder. The tree is visited bottom-up; each node keeps the best of
+(a) one group of all its requests, (c) its sub-nodes' groups plus one group of the requests
+they left out, (b) its sub-nodes' groups alone, by total ``value``; ties go to (a), then (c):
+fewer segments, more queries per kernel call. Example: A, B, C, D share 10 blocks and A, B
+share 10 more; with the default value (context tokens up-projected once instead of per
+member) {A, B, C, D} x 10 and {A, B} x 20 + {C, D} x 10 both save 30 blocks, and the tie gives
+one group of four; had A, B shared 30 more, (c) would win with 40. Not every partition is
+tried: a group formed below never gives a member up to a group above it.
 """
 
 from __future__ import annotations
@@ -81,32 +82,47 @@ def find_shared_prefixes(
     keys = _offered_keys([rows[i] for i in offered])
     order = [offered[j] for j in sorted(range(len(offered)), key=keys.__getitem__)]
     lcp = [_common_blocks(rows[a], rows[b]) for a, b in itertools.pairwise(order)]
-    spans = _best_spans(lcp, [int(qlens[i]) for i in order], block_size, value)
     groups = []
-    for lo, hi, depth in spans:
-        members = tuple(sorted(order[lo : hi + 1]))
+    for picked, depth in _pick_groups(lcp, [int(qlens[i]) for i in order], block_size, value):
+        members = tuple(sorted(order[j] for j in picked))
         groups.append(SharedPrefixGroup(members, rows[members[0]][:depth].astype(np.int32)))
     return sorted(groups, key=lambda g: g.members[0])
 
 
 class _Node:
-    """An interval of sorted requests sharing ``depth`` blocks; ``best`` and its spans, so far from below."""
+    """Sorted requests from ``lo`` on sharing ``depth`` blocks; the groups picked below it, their value."""
 
-    __slots__ = ("best", "depth", "lo", "spans")
+    __slots__ = ("best", "depth", "groups", "lo")
 
     def __init__(self, depth: int, lo: int) -> None:
-        self.depth, self.lo, self.best, self.spans = depth, lo, 0.0, []
+        self.depth, self.lo, self.best = depth, lo, 0.0
+        self.groups: list[tuple[list[int], int]] = []
 
 
-def _best_spans(
+def _close(node: _Node, hi: int, qlens: list[int], block_size: int, value: GroupValue) -> None:
+    """Pick (a), (c) or (b) of the module's rule for ``node`` = sorted requests ``node.lo..hi``."""
+    tokens = node.depth * block_size
+    everyone = list(range(node.lo, hi + 1))
+    grouped = {j for members, _ in node.groups for j in members}
+    left = [j for j in everyone if j not in grouped]
+    options = [(value(len(everyone), tokens, sum(qlens[j] for j in everyone)), [(everyone, node.depth)])]
+    if 2 <= len(left) < len(everyone):
+        extra = value(len(left), tokens, sum(qlens[j] for j in left))
+        if extra > 0:
+            options.append((node.best + extra, [*node.groups, (left, node.depth)]))
+    best, groups = max(options, key=lambda option: option[0])  # the first of equals: (a) before (c)
+    if best > 0 and best >= node.best:  # else (b), what the node holds
+        node.best, node.groups = best, groups
+
+
+def _pick_groups(
     lcp: list[int], qlens: list[int], block_size: int, value: GroupValue
-) -> list[tuple[int, int, int]]:
-    """The best partition's groups as (first, last, depth) over the sorted order.
+) -> list[tuple[list[int], int]]:
+    """The groups (positions in the sorted order, shared blocks) that the module's rule picks.
 
     The tree of LCP intervals, visited bottom-up with a stack (as suffix-array LCP intervals
     are): a node closes when the common prefix drops below its depth.
     """
-    qsum = np.concatenate([[0], np.cumsum(qlens)])
     stack = [_Node(0, 0)]
     n = len(lcp) + 1
     for i in range(1, n + 1):
@@ -114,18 +130,14 @@ def _best_spans(
         lo, last = i - 1, None
         while h < stack[-1].depth:
             node = stack.pop()
-            hi = i - 1
-            members = hi - node.lo + 1
-            own = value(members, node.depth * block_size, int(qsum[hi + 1] - qsum[node.lo]))
-            if own > 0 and own >= node.best:
-                node.best, node.spans = own, [(node.lo, hi, node.depth)]
+            _close(node, i - 1, qlens, block_size, value)
             lo, last = node.lo, node
             if h <= stack[-1].depth:
                 stack[-1].best += node.best
-                stack[-1].spans += node.spans
+                stack[-1].groups += node.groups
         if h > stack[-1].depth:
             fresh = _Node(h, lo)
             if last is not None:
-                fresh.best, fresh.spans = last.best, list(last.spans)
+                fresh.best, fresh.groups = last.best, list(last.groups)
             stack.append(fresh)
-    return stack[0].spans
+    return stack[0].groups
