@@ -63,19 +63,24 @@ class Step(NamedTuple):
     def kv_b_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return torch.nn.functional.linear(x, self.w_kv_b), None  # (out, bias) as vLLM's linear layers
 
+    def keys_values(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``r``'s context K and V in float64, read through its own block-table row."""
+        c = self.context_lens[r]
+        blocks = self.table[r, : -(-c // BS)].long()
+        latent = self.cache[blocks].reshape(-1, self.cache.shape[-1])[:c].double()
+        kv = (latent[:, : DIMS.kv_lora_rank] @ self.w_kv_b.double().T).view(c, DIMS.num_heads, -1)
+        k_pe = latent[:, None, DIMS.kv_lora_rank :].expand(c, DIMS.num_heads, ROPE)
+        return torch.cat([kv[..., : DIMS.qk_nope_head_dim], k_pe], dim=-1), kv[..., DIMS.qk_nope_head_dim :]
+
+    def queries(self, r: int) -> torch.Tensor:
+        return self.q[int(self.query_start_loc[r]) : int(self.query_start_loc[r + 1])]
+
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's queries over its whole context, non-causal (all of it precedes them), float64."""
         outs, lses = [], []
-        loc = self.query_start_loc.tolist()
-        for r, c in enumerate(self.context_lens):
-            blocks = self.table[r, : -(-c // BS)].long()
-            latent = self.cache[blocks].reshape(-1, self.cache.shape[-1])[:c].double()
-            kv = (latent[:, : DIMS.kv_lora_rank] @ self.w_kv_b.double().T).view(c, DIMS.num_heads, -1)
-            k_pe = latent[:, None, DIMS.kv_lora_rank :].expand(c, DIMS.num_heads, ROPE)
-            k = torch.cat([kv[..., : DIMS.qk_nope_head_dim], k_pe], dim=-1)
-            out, lse = reference_attention(
-                self.q[loc[r] : loc[r + 1]], k, kv[..., DIMS.qk_nope_head_dim :], SCALE, causal=False
-            )
+        for r in range(len(self.context_lens)):
+            k, v = self.keys_values(r)
+            out, lse = reference_attention(self.queries(r), k, v, SCALE, causal=False)
             outs.append(out)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses, dim=1)
