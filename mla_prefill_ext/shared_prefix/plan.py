@@ -73,24 +73,32 @@ def chunk_passes(
     """Passes covering ``[begins[j], ends[j])`` of each sequence ``j``, vLLM's way.
 
     ``begins`` must be multiples of ``page_size`` (vLLM's gather kernel needs aligned starts).
+    NumPy on the host: ``torch.repeat_interleave`` on the CPU took 20 ms for one 64k-row pass.
     """
-    lens = (ends - begins).clamp(min=0).to(torch.int64)
+    begin, end = begins.numpy().astype(np.int64), ends.numpy().astype(np.int64)
+    lens = np.maximum(end - begin, 0)
     active = int((lens > 0).sum())
     if active == 0:
         return []
     share = (workspace_rows // active) // page_size * page_size
     if share <= 0:
         raise ValueError(f"{active} sequences do not fit {workspace_rows} workspace rows of page {page_size}")
-    passes = []
-    seq_ids = torch.arange(lens.shape[0], dtype=torch.int32)
-    for i in range(-(-int(lens.max()) // share)):
-        starts = (begins + i * share).to(torch.int32)
-        seq_lens = (torch.minimum(ends, starts + share) - starts).clamp(min=0).to(torch.int32)
-        cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens, dim=0, out=cu[1:])
-        token_to_seq = torch.repeat_interleave(seq_ids, seq_lens)
-        passes.append(ContextPass(starts, seq_lens, cu, token_to_seq, int(cu[-1])))
-    return passes
+    count = -(-int(lens.max()) // share)
+    starts = begin[None, :] + share * np.arange(count)[:, None]
+    seq_lens = np.clip(np.minimum(end[None, :], starts + share) - starts, 0, None).astype(np.int32)
+    cu = np.zeros((count, lens.shape[0] + 1), dtype=np.int32)
+    np.cumsum(seq_lens, axis=1, out=cu[:, 1:])
+    seq_ids = np.arange(lens.shape[0], dtype=np.int32)
+    return [
+        ContextPass(
+            torch.from_numpy(starts[i].astype(np.int32)),
+            torch.from_numpy(seq_lens[i]),
+            torch.from_numpy(cu[i]),
+            torch.from_numpy(np.repeat(seq_ids, seq_lens[i])),
+            int(cu[i, -1]),
+        )
+        for i in range(count)
+    ]
 
 
 @dataclass(frozen=True)
