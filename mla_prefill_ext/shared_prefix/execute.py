@@ -68,27 +68,35 @@ def gather_latent(
 
 
 def up_project(
-    kv_b_proj: Callable[[torch.Tensor], Any], latent: torch.Tensor, dims: LatentLayout
+    kv_b_proj: Callable[[torch.Tensor], Any],
+    latent: torch.Tensor,
+    dims: LatentLayout,
+    concat_k: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K ``[tokens, heads, nope + rope]`` and V ``[tokens, heads, v]`` from latent rows, as vLLM does.
 
     ``kv_b_proj`` is the layer's (a vLLM linear layer returns ``(out, bias)``; a tensor is taken
-    as is); dtype handling of quantized weights stays with the caller's callable.
+    as is); dtype handling of quantized weights stays with the caller's callable. ``concat_k``:
+    the impl's ``_concat_k_nope_k_pe(k_nope, k_pe)`` (``k_pe`` ``[tokens, 1, rope]``); default
+    ``torch.cat``.
     """
     kv_c, k_pe = latent[..., : dims.kv_lora_rank], latent[..., dims.kv_lora_rank :]
     out = kv_b_proj(kv_c)
     out = out[0] if isinstance(out, tuple) else out
     kv_nope = out.view(-1, dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim)
     k_nope, v = kv_nope.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
-    k_pe = k_pe.unsqueeze(1).expand(-1, dims.num_heads, -1).to(k_nope.dtype)
-    return torch.cat((k_nope, k_pe), dim=-1), v
+    k_pe = k_pe.unsqueeze(1).to(k_nope.dtype)
+    if concat_k is not None:
+        return concat_k(k_nope, k_pe), v
+    return torch.cat((k_nope, k_pe.expand(-1, dims.num_heads, -1)), dim=-1), v
 
 
 class LayerContext(NamedTuple):
     """What one layer's context part reads besides the plan: vLLM's impl holds all of it.
 
     ``gather``: :func:`gather_latent` or the same with ``kv_cache_dtype``/``scale`` bound
-    (``functools.partial``); ``merge``: :func:`vllm_merge` on a GPU.
+    (``functools.partial``); ``merge``: :func:`vllm_merge` on a GPU; ``concat_k``: see
+    :func:`up_project`.
     """
 
     kv_cache: torch.Tensor
@@ -97,6 +105,7 @@ class LayerContext(NamedTuple):
     workspace: torch.Tensor
     merge: Merge
     gather: Callable[..., torch.Tensor] = gather_latent
+    concat_k: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _run_passes(
@@ -109,7 +118,7 @@ def _run_passes(
     out = lse = None
     for i, one_pass in enumerate(passes):
         latent = layer.gather(layer.kv_cache, block_table, one_pass, layer.workspace)
-        k, v = up_project(layer.kv_b_proj, latent, layer.dims)
+        k, v = up_project(layer.kv_b_proj, latent, layer.dims, layer.concat_k)
         o, l_ = backend.run_prefill_context_chunk(i, q, k, v)
         out, lse = (o, l_) if out is None else layer.merge(out, lse, o, l_)
     return out, lse
