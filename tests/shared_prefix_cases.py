@@ -67,9 +67,10 @@ class Step(NamedTuple):
         """Request ``r``'s context K and V in float64, read through its own block-table row."""
         c = self.context_lens[r]
         blocks = self.table[r, : -(-c // BS)].long()
-        latent = self.cache[blocks].reshape(-1, self.cache.shape[-1])[:c].double()
-        kv = (latent[:, : DIMS.kv_lora_rank] @ self.w_kv_b.double().T).view(c, DIMS.num_heads, -1)
-        k_pe = latent[:, None, DIMS.kv_lora_rank :].expand(c, DIMS.num_heads, ROPE)
+        latent = self.cache[blocks].reshape(-1, self.cache.shape[-1])[:c]
+        # kv_b_proj in the model dtype, as the layer runs it; attention in float64.
+        kv = self.kv_b_proj(latent[:, : DIMS.kv_lora_rank])[0].double().view(c, DIMS.num_heads, -1)
+        k_pe = latent[:, None, DIMS.kv_lora_rank :].double().expand(c, DIMS.num_heads, ROPE)
         return torch.cat([kv[..., : DIMS.qk_nope_head_dim], k_pe], dim=-1), kv[..., DIMS.qk_nope_head_dim :]
 
     def queries(self, r: int) -> torch.Tensor:
@@ -87,7 +88,10 @@ class Step(NamedTuple):
 
 
 def make_step(
-    requests: list[tuple[str | None, int, int, int]] = REQUESTS, seed: int = 0, sharpness: float = 3.0
+    requests: list[tuple[str | None, int, int, int]] = REQUESTS,
+    seed: int = 0,
+    sharpness: float = 3.0,
+    dtype: torch.dtype = torch.float32,
 ) -> Step:
     """Latent rows and queries of large norm (``sharpness``), so that softmax is far from uniform."""
     gen = torch.Generator().manual_seed(seed)
@@ -112,4 +116,4 @@ def make_step(
     w = torch.randn(
         DIMS.num_heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim), DIMS.kv_lora_rank, generator=gen
     )
-    return Step(table, ctx, loc, cache, q, w / DIMS.kv_lora_rank**0.5)
+    return Step(table, ctx, loc, cache.to(dtype), q.to(dtype), (w / DIMS.kv_lora_rank**0.5).to(dtype))

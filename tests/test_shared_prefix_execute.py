@@ -19,9 +19,9 @@ from mla_prefill_ext.shared_prefix.execute import LayerContext, compute_context
 from mla_prefill_ext.shared_prefix.plan import accepts_shared_segments, plan_context
 from mla_prefill_ext.shared_prefix.views import SegmentInstance, attach_private_chunks
 from mla_prefill_ext.testing.reference import merge_attn_states_torch
+from mla_prefill_ext.testing.tolerances import TOLERANCES
 
-OUT_TOLERANCE = 1e-4  # relative to the largest output; float32 end to end
-LSE_TOLERANCE = 1e-4  # absolute, natural log
+FP32 = TOLERANCES[torch.float32]
 
 
 def run_layer(step, plan, backend_cls=SegmentSDPA, workspace_rows=None, merge=merge_attn_states_torch):
@@ -32,8 +32,8 @@ def run_layer(step, plan, backend_cls=SegmentSDPA, workspace_rows=None, merge=me
         block_table=step.table,
         query_start_loc=step.query_start_loc,
         max_query_len=int((step.query_start_loc[1:] - step.query_start_loc[:-1]).max()),
-        q_data_type=torch.float32,
-        output_dtype=torch.float32,
+        q_data_type=step.q.dtype,
+        output_dtype=step.q.dtype,
     )
     backend = make_backend(backend_cls)
     segments = SegmentInstance(backend)
@@ -47,7 +47,7 @@ def run_layer(step, plan, backend_cls=SegmentSDPA, workspace_rows=None, merge=me
         projected.append(x.shape[0])
         return step.kv_b_proj(x)
 
-    workspace = torch.full((rows, step.cache.shape[-1]), float("nan"))
+    workspace = torch.full((rows, step.cache.shape[-1]), float("nan"), dtype=step.cache.dtype)
     layer = LayerContext(step.cache, kv_b_proj, DIMS, workspace, merge)
     out, lse = compute_context(step.q, plan, step.table, backend, segment_backend, layer)
     return out, lse, sum(projected)
@@ -73,15 +73,18 @@ def test_the_case_is_sharp():
     assert torch.cat(top).median() > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("workspace", [7 * BS, 1024])
-def test_shared_segments_match_attention_over_each_whole_context(workspace):
-    step = make_step()
+def test_shared_segments_match_attention_over_each_whole_context(workspace, dtype):
+    step = make_step(dtype=dtype)
     plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, workspace)
     assert len(plan.segments) == 2 and (workspace > 200 or len(plan.private_passes) > 1)
     out, lse, projected = run_layer(step, plan)
     out_err, lse_err = errors(step, out, lse)
-    print(f"workspace {workspace}: output {out_err:.2e}, LSE {lse_err:.2e}, {projected} rows up-projected")
-    assert out_err <= OUT_TOLERANCE and lse_err <= LSE_TOLERANCE
+    print(
+        f"{dtype}, workspace {workspace}: output {out_err:.2e}, LSE {lse_err:.2e}, {projected} rows projected"
+    )
+    assert out_err <= TOLERANCES[dtype].output_rel and lse_err <= TOLERANCES[dtype].lse_abs
     # Each shared token up-projected once: the context minus what the members share beyond one copy.
     saved = sum((len(s.members) - 1) * s.num_tokens for s in plan.segments)
     assert projected == sum(step.context_lens) - saved
@@ -97,7 +100,7 @@ def test_a_backend_that_does_not_declare_segments_gets_vllms_plan():
     assert not plan.has_segments
     out, lse, projected = run_layer(step, plan, backend_cls=TorchSDPAPrefillBackend)
     out_err, lse_err = errors(step, out, lse)
-    assert out_err <= OUT_TOLERANCE and lse_err <= LSE_TOLERANCE
+    assert out_err <= FP32.output_rel and lse_err <= FP32.lse_abs
     assert projected == sum(step.context_lens)
 
 
@@ -111,7 +114,7 @@ def test_check_fails_when_a_request_attends_another_groups_prefix():
     out, lse, _ = run_layer(step, dataclasses.replace(plan, segment_block_table=table))
     out_err, lse_err = errors(step, out, lse)
     print(f"another group's prefix: output {out_err:.2e}, LSE {lse_err:.2e}")
-    assert out_err > OUT_TOLERANCE and lse_err > LSE_TOLERANCE
+    assert out_err > FP32.output_rel and lse_err > FP32.lse_abs
 
 
 def test_check_fails_when_the_segment_lse_is_left_out_of_the_merge():
@@ -139,4 +142,41 @@ def test_check_fails_when_the_segment_lse_is_left_out_of_the_merge():
     out, lse, _ = run_layer(step, plan, merge=segment_lse_left_out)
     out_err, lse_err = errors(step, out, lse)
     print(f"segment LSE left out: output {out_err:.2e}, LSE {lse_err:.2e}")
-    assert out_err > OUT_TOLERANCE and lse_err > LSE_TOLERANCE
+    assert out_err > FP32.output_rel and lse_err > FP32.lse_abs
+
+
+def test_the_segment_step_is_one_query_sequence_per_segment():
+    """What the segment instance is prepared with: per segment, all its members' new tokens as one
+    query sequence (cu_seqlens_q) against the segment's tokens as one key sequence (cu_seqlens_k)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+
+    from mla_prefill_ext.backends.base import context_chunks, host_query_start_loc
+
+    step = make_step()
+    plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 1024)
+    metadata = MLACommonPrefillMetadata(
+        block_table=step.table,
+        query_start_loc=step.query_start_loc,
+        max_query_len=6,
+        q_data_type=torch.float32,
+    )
+    segments = SegmentInstance(make_backend())
+    assert segments.prepare(plan, metadata) is segments.backend
+    view = segments.backend.prefill_metadata
+    members = [
+        sum(int(step.query_start_loc[m + 1] - step.query_start_loc[m]) for m in s.members)
+        for s in plan.segments
+    ]
+    assert host_query_start_loc(view).tolist() == [0, members[0], members[0] + members[1]]
+    assert view.max_query_len == max(members)
+    (chunk,) = context_chunks(view)
+    tokens = [s.num_tokens for s in plan.segments]
+    assert chunk.cu_seq_lens_cpu.tolist() == [0, tokens[0], tokens[0] + tokens[1]]
+    # The step's own chunks are the private passes, in the step's query layout.
+    attach_private_chunks(plan, metadata)
+    assert [c.cu_seq_lens_cpu.tolist() for c in context_chunks(metadata)] == [
+        p.cu_seq_lens.tolist() for p in plan.private_passes
+    ]
+    # A step without shared segments prepares nothing.
+    plain = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 1024, shared=False)
+    assert segments.prepare(plain, metadata) is None
