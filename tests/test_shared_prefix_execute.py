@@ -36,7 +36,7 @@ def run_layer(step, plan, backend_cls=SegmentSDPA, workspace_rows=None, merge=me
         output_dtype=step.q.dtype,
     )
     backend = make_backend(backend_cls)
-    segments = SegmentInstance(backend)
+    segments = SegmentInstance(backend, torch.device("cpu"))
     attach_private_chunks(plan, metadata)
     backend.prepare_metadata(metadata)
     segment_backend = segments.prepare(plan, metadata)

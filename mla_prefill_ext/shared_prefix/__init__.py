@@ -7,6 +7,15 @@ and private remainders within vLLM's context workspace (:mod:`.plan`), presented
 selected backend (:mod:`.views`) and run per layer (:mod:`.execute`): each shared segment is
 gathered and up-projected once and attended by all its members' queries in one non-causal
 call, then each request's private chunks run as today, all merged by LSE.
+
+How a host uses it. Once per step, in the MLA metadata builder after vLLM built the prefill
+metadata: :func:`plan_context` from host copies of the prefill requests' block-table rows,
+computed tokens and query offsets, the builder's page size and context workspace rows
+(``shared=accepts_shared_segments(backend)``); :func:`attach_private_chunks` on the prefill
+metadata before the step's backend is prepared; :meth:`SegmentInstance.prepare` (one
+instance per builder, kept across steps) for the segments; :meth:`ContextPlan.to` the device.
+Per layer, in place of vLLM's ``_compute_prefill_context``: :func:`compute_context`, whose
+output and LSE merge with the new tokens exactly as vLLM's do.
 """
 
 from mla_prefill_ext.shared_prefix.execute import (

@@ -68,10 +68,16 @@ def attach_private_chunks(plan: ContextPlan, prefill_metadata: Any) -> None:
 
 
 class SegmentInstance:
-    """One builder's instance for shared segments: a clone of its step backend, made once."""
+    """One builder's instance for shared segments: a clone of its step backend, made once.
 
-    def __init__(self, step_backend: MLAPrefillBackend) -> None:
+    Made where the builder makes its own instances, with its ``device``: the clone's kernel
+    workspace is then reserved before vLLM sizes the KV cache, as the step instance's is.
+    """
+
+    def __init__(self, step_backend: MLAPrefillBackend, device: torch.device | None = None) -> None:
         self._backend = step_backend.clone()
+        if device is not None:
+            self._backend.reserve_workspace(device)
         self.step: SegmentStep | None = None
 
     @property
