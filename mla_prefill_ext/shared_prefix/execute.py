@@ -40,7 +40,8 @@ def gather_latent(
 
     ``kv_cache``: ``[blocks, block_size, kv_lora_rank + rope]``; ``block_table`` row ``j`` is
     sequence ``j`` of the pass. On CUDA vLLM's own gather kernel, as ``_compute_prefill_context``
-    calls it; elsewhere torch indexing.
+    calls it (``scale``: the layer's ``k_scale``, which the kernel needs); elsewhere torch
+    indexing, for an unquantized cache.
     """
     total = one_pass.total
     if kv_cache.is_cuda:

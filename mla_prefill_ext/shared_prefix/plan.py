@@ -150,7 +150,11 @@ def plan_context(
     value: GroupValue | None = None,
     shared: bool = True,
 ) -> ContextPlan:
-    """The step's plan from host copies of its prefill rows, computed tokens and query offsets.
+    """The step's plan from host copies of its prefill requests' data, in their order.
+
+    ``block_table``: their block-table rows; ``context_lens``: their computed tokens;
+    ``query_start_loc``: their query offsets from 0 (vLLM's ``prefill_query_start_loc_cpu``);
+    ``block_size``: the cache's page size; ``workspace_rows``: the builder's context workspace.
 
     ``value`` decides which groups are worth it (default: :class:`FlopCostModel`'s defaults).
     ``shared=False`` (the backend takes no shared segments, or the path is off) gives vLLM's
