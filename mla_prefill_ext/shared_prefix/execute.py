@@ -59,6 +59,8 @@ def gather_latent(
             seq_starts=one_pass.starts,
         )
         return workspace[:total]
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(f"a {kv_cache_dtype} KV cache is gathered on CUDA only")
     block_size = kv_cache.shape[1]
     seq = one_pass.token_to_seq.long()
     offset = torch.arange(total) - one_pass.cu_seq_lens.long()[seq]
