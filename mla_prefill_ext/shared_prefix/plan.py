@@ -73,7 +73,8 @@ def chunk_passes(
     """Passes covering ``[begins[j], ends[j])`` of each sequence ``j``, vLLM's way.
 
     ``begins`` must be multiples of ``page_size`` (vLLM's gather kernel needs aligned starts).
-    NumPy on the host: ``torch.repeat_interleave`` on the CPU took 20 ms for one 64k-row pass.
+    NumPy on the host: for one 64k-row pass ``torch.repeat_interleave`` took 20 ms on a busy
+    2-core CPU, ``np.repeat`` 0.08 ms.
     """
     begin, end = begins.numpy().astype(np.int64), ends.numpy().astype(np.int64)
     lens = np.maximum(end - begin, 0)
