@@ -125,6 +125,11 @@ class MLAPrefillBackend(ABC):
     kernel_warmup: ClassVar[KernelWarmup | None] = None
     """What to build or load at engine start (see :class:`KernelWarmup`); None: nothing."""
 
+    accepts_shared_context_segments: ClassVar[bool] = False
+    """True when a :meth:`clone`, prepared with a step whose "requests" are shared prefixes (each
+    one query sequence of several requests' new tokens against one key sequence), computes that
+    step's context chunks from the prepared metadata alone; False keeps vLLM's per-request chunks."""
+
     @staticmethod
     @abstractmethod
     def get_name() -> str:
