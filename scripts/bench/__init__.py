@@ -21,5 +21,6 @@ MEASUREMENTS = {
     "startup": "where the add-on's start-up time goes, with and without bytecode",
     "first_request": "start-up time and first-wave latency after a fresh start, per side",
     "serve_load": "load on a real `vllm serve` after a fresh start, per side",
+    "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
     "bench_vs_kernel": "`mla-prefill-ext bench --json` paired with the kernel benchmark on the same shapes",
 }

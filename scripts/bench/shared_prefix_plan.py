@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of finding a step's shared prefixes and planning its context, on the CPU.
 
-    python scripts/bench/shared_prefix_plan.py [--repeats 20] [--json out.json]
+    python -m scripts.bench shared_prefix_plan [--repeats 20] [--json out.json]
 
 What the shared-prefix path adds once per step (in the metadata builder, never per layer):
 ``find_shared_prefixes`` over the host copy of the prefill requests' block-table rows, and
@@ -19,14 +19,12 @@ import statistics
 import sys
 import time
 
-import common
+import numpy as np
 
-common.use_this_checkout()
+from mla_prefill_ext.shared_prefix.groups import find_shared_prefixes
+from mla_prefill_ext.shared_prefix.plan import plan_context
 
-import numpy as np  # noqa: E402
-
-from mla_prefill_ext.shared_prefix.groups import find_shared_prefixes  # noqa: E402
-from mla_prefill_ext.shared_prefix.plan import plan_context  # noqa: E402
+from . import common
 
 CONTEXT, SHARED, WORKSPACE, WIDTH = 32768, 30720, 65536, 8192
 LAYOUTS = {"one shared prefix": 1, "four families": 4, "no sharing": 0}
@@ -54,12 +52,12 @@ def timed(fn, args: tuple, repeats: int) -> tuple[float, float]:
     return statistics.median(us), max(us)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per case")
     parser.add_argument("--requests", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
     print("| requests | block size | layout | groups | find: median (max) us | plan: median (max) us |")
