@@ -363,9 +363,7 @@ def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
 
     import mla_prefill_ext
     from mla_prefill_ext.hosts import vllm_0_20 as patches
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "gpu"))
-    import engine_runner
+    from scripts.gpu_harness import engine_runner
 
     mla_module = importlib.import_module(patches.MLA_MODULE)
     evidence = tmp_path / "r.chunks"
