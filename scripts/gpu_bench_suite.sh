@@ -33,10 +33,10 @@ stamp "example package: rc=$?"
 backends=FLASH_ATTN,FLASHINFER,TORCH_SDPA,EXAMPLE
 for dims in r1 r1-tp1; do
   stamp "bench --dims $dims"
-  PYTHONPATH="$site:$PWD" "$py" -m mla_prefill_ext bench --backend "$backends" --device cuda --dims "$dims" \
+  PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m mla_prefill_ext bench --backend "$backends" --device cuda --dims "$dims" \
     --json > "$out/bench-$dims.json" 2> "$out/bench-$dims.log"
   stamp "bench --dims $dims: rc=$?"
-  PYTHONPATH="$site:$PWD" "$py" -m mla_prefill_ext bench --backend "$backends" --device cuda --dims "$dims" \
+  PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m mla_prefill_ext bench --backend "$backends" --device cuda --dims "$dims" \
     --repeat 5 > "$out/bench-$dims.txt" 2>> "$out/bench-$dims.log"
   stamp "bench --dims $dims (text): rc=$?"
 done

@@ -22,5 +22,6 @@ MEASUREMENTS = {
     "first_request": "start-up time and first-wave latency after a fresh start, per side",
     "serve_load": "load on a real `vllm serve` after a fresh start, per side",
     "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
+    "shared_prefix_layer": "one layer's context part, vLLM's plan vs the shared-prefix plan (GPU)",
     "bench_vs_kernel": "`mla-prefill-ext bench --json` paired with the kernel benchmark on the same shapes",
 }
