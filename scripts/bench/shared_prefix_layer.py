@@ -185,15 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = reference_errors(cls, device)
     print("against float64 (4 requests, 1k shared + 200 private, 48 new):", accuracy, flush=True)
     rows = []
-    print(
-        f"{'N':>6} {'vllm ms':>9} {'shared ms':>10} {'ratio':>7} {'plan ms':>8} {'max|dout|':>10} {'max|dlse|':>10}"
-    )
+    header = ("N", "vllm ms", "shared ms", "ratio", "plan ms", "max|dout|", "max|dlse|")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (6, 9, 10, 7, 8, 10, 10), strict=True)))
     for new in map(int, args.new.split(",")):
         case = make_case(args.requests, args.prefix, args.private, new, device)
         results = {}
         for shared in (False, True):
             t0 = time.perf_counter()
-            plan, run = prepare(case, cls, shared, device)
+            _, run = prepare(case, cls, shared, device)
             plan_ms = (time.perf_counter() - t0) * 1e3
             results[shared] = (timed(run, args.repeats), plan_ms, run())
         (t_v, _, (o_v, l_v)), (t_s, p_s, (o_s, l_s)) = results[False], results[True]
