@@ -47,6 +47,9 @@ def gather_latent(
     if kv_cache.is_cuda:
         from vllm import _custom_ops as ops
 
+        if scale is None:  # the kernel reads a scale tensor even for an unquantized cache
+            scale = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
+
         ops.gather_and_maybe_dequant_cache(
             src_cache=kv_cache,
             dst=workspace,
