@@ -24,7 +24,7 @@ import functools
 import pytest
 
 from scripts.gpu_harness import verdict
-from tests.gpu.test_engine import check, log_of, result
+from tests.gpu.recorded_runs import check, log_of, result
 
 pytestmark = pytest.mark.gpu
 

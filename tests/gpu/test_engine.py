@@ -13,93 +13,12 @@ base-2 LSE, must each fail ``bf16_noise`` against stock.
 
 from __future__ import annotations
 
-import functools
-import os
-import tempfile
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-from scripts.gpu_harness import engine_runner, scenarios, verdict
+from scripts.gpu_harness import engine_runner, scenarios
+from tests.gpu.recorded_runs import MIN_CONTEXT_CHUNKS, check, log_of, outputs, result
 
 pytestmark = pytest.mark.gpu
-
-# One folder, or several separated by os.pathsep (later runs of the same scenarios).
-RESULTS_DIRS = [Path(p) for p in (os.environ.get("MLA_GPU_RESULTS") or "").split(os.pathsep) if p] or [
-    Path(tempfile.mkdtemp(prefix="mla-gpu-"))
-]
-RESULTS = RESULTS_DIRS[-1]
-MIN_CONTEXT_CHUNKS = 3
-
-
-@functools.cache
-def runs(name: str) -> list[tuple[Path, dict]]:
-    """Every recorded run of a scenario (folder, result), in folder order; run it if there is none."""
-    found = [(d, data) for d in RESULTS_DIRS if (data := scenarios.load(d, name)) is not None]
-    if not found:
-        import torch
-
-        if scenarios.SCENARIOS[name].gpus > torch.cuda.device_count():
-            pytest.skip(f"{name} needs {scenarios.SCENARIOS[name].gpus} GPUs")
-        scenarios.run_all([name], RESULTS, [str(i) for i in range(torch.cuda.device_count())], bench=False)
-        found = [(RESULTS, data)] if (data := scenarios.load(RESULTS, name)) is not None else []
-    assert found, f"scenario {name} wrote no result (see {RESULTS / (name + '.log')})"
-    return found
-
-
-def _chosen(name: str) -> tuple[Path, dict]:
-    """The last run that completed (else the last run: its error is the result)."""
-    every = runs(name)
-    ok = [r for r in every if r[1].get("ok")]
-    return (ok or every)[-1]
-
-
-def result(name: str) -> dict:
-    return _chosen(name)[1]
-
-
-def log_of(name: str) -> str:
-    return scenarios.log_text(_chosen(name)[0], name)
-
-
-def records(data: dict) -> list[dict]:
-    res = data["results"]
-    return [r for key in ("batch", "prefix_hit", "chunks") for r in res.get(key, [])]
-
-
-def outputs(name: str) -> list[dict]:
-    """The scenario's records, every prompt set in a fixed order."""
-    data = result(name)
-    assert data["ok"], data.get("error")
-    return records(data)
-
-
-def check(kind: str, candidate: str, reference: str, judge: Any = None) -> verdict.Verdict:
-    """The verdict of every completed candidate run against the stock runs.
-
-    Stock vLLM 0.20.2 is not reproducible across engine lifetimes everywhere: on the
-    H200 host two stock runs of the compiled single-GPU engine, and two of the TP=2
-    engine, differed (docs/gpu-verification.md). So a candidate run passes when it
-    matches one of the recorded stock runs, and every candidate run must pass. A
-    mutant must therefore fail against every stock run. ``judge`` (a verdict function taking
-    candidate, reference and ``label``) replaces the one ``kind`` names.
-    """
-    if judge is None:
-        judge = verdict.identical if kind == "identical" else verdict.bf16_noise
-    references = [(d, records(data)) for d, data in runs(reference) if data.get("ok")]
-    candidates = [(d, records(data)) for d, data in runs(candidate) if data.get("ok")]
-    assert references, f"no completed run of {reference}"
-    assert candidates, f"no completed run of {candidate}: {result(candidate).get('error')}"
-    verdicts = []
-    for cd, c in candidates:
-        tried = [
-            judge(c, r, label=f"{candidate} ({cd.name}) vs {reference} ({rd.name})") for rd, r in references
-        ]
-        passing = [v for v in tried if v.passed]
-        verdicts.append(passing[0] if passing else min(tried, key=lambda v: v.max_diff))
-    failed = [v for v in verdicts if not v.passed]
-    return failed[0] if failed else verdicts[0]
 
 
 def test_context_paths_are_exercised():
