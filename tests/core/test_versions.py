@@ -61,7 +61,7 @@ def test_rows_cover_every_release_from_the_first_supported_one_without_gaps():
 
 def test_the_dev_requirements_pin_the_release_the_default_environment_tests():
     """requirements-dev.txt (what scripts/setup.sh installs) and the table name the same vLLM."""
-    text = (Path(__file__).resolve().parents[1] / "requirements-dev.txt").read_text()
+    text = (Path(__file__).resolve().parents[2] / "requirements-dev.txt").read_text()
     assert re.findall(r"^vllm==(\S+)\s*$", text, re.MULTILINE) == [versions.DEV_TESTED]
     assert versions.DEV_TESTED in versions.TESTED
     assert versions.decide(versions.DEV_TESTED).mode == versions.PATCH
