@@ -49,3 +49,40 @@ def test_every_tests_or_package_path_a_doc_names_exists(doc: Path):
         }
     )
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+# [text](file.md#anchor), [text](#anchor), [text](file.md): links into the repository's Markdown.
+LINK = re.compile(r"\]\(((?!https?:|mailto:)[^)\s]*?\.md|)(?:#([\w-]+))?\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings (outside code blocks)."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    found = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(slug)
+    return found
+
+
+def test_anchors_are_made_as_github_makes_them():
+    markdown = (
+        "# What the patch does\n```\n# not a heading\n```\n"
+        "### 7b. The issue's whole load on a real `vllm serve`\n"
+    )
+    assert anchors(markdown) == {"what-the-patch-does", "7b-the-issues-whole-load-on-a-real-vllm-serve"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_to_a_doc_and_its_heading_resolves(doc: Path):
+    broken = []
+    for match in LINK.finditer(doc.read_text()):
+        file, anchor = match.group(1), match.group(2)
+        if not file and not anchor:
+            continue
+        target = (doc.parent / file).resolve() if file else doc
+        if not target.is_file():
+            broken.append(match.group(0))
+        elif anchor and anchor not in anchors(target.read_text()):
+            broken.append(match.group(0))
+    assert not broken, f"{doc.relative_to(ROOT)} links to what does not exist: {broken}"
