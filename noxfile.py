@@ -12,7 +12,7 @@ by path: nox's interpreter may not import the package.
 
 pytest runs with two workers (pytest-xdist, ``-n 2 --dist loadfile``).
 
-Arguments after ``--`` go to pytest (``python -m nox -- -x tests/test_bridge.py``).
+Arguments after ``--`` go to pytest (``python -m nox -- -x tests/hosts/vllm_0_23/test_bridge.py``).
 The supported versions and modes are declared in ``mla_prefill_ext/versions.py``.
 """
 

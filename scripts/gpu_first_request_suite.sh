@@ -3,7 +3,7 @@
 # budget (default 540 s):
 #   bash scripts/gpu_first_request_suite.sh [--budget SECONDS] [--compiled] OUT_DIR
 # 1. environment.txt: GPU, driver, versions;
-# 2. pre-build: FlashInfer's MLA prefill kernels compiled into a fresh cache with the README's recipe
+# 2. pre-build: FlashInfer's MLA prefill kernels compiled into a fresh cache with the recipe in docs/deployment.md
 #    (FLASHINFER_WORKSPACE_BASE=DIR mla-prefill-ext check --backend FLASHINFER --device cuda), timed;
 # 3. scripts/bench/first_request.py: stock, FLASHINFER and FLASH_ATTN, each with fresh caches
 #    (FlashInfer's JIT cache cold), and FLASHINFER-warm on the cache pre-built in step 2; eager

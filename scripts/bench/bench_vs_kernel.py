@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``mla-prefill-ext bench`` next to the kernel benchmark: one backend and shape, the two times.
 
-    python scripts/bench/bench_vs_kernel.py --bench bench.json --kernel bench-kernel.json
+    python -m scripts.bench bench_vs_kernel --bench bench.json --kernel bench-kernel.json
         [--tolerance 0.05] [--json out.json] [--markdown out.md]
 
 ``--bench``: what ``mla-prefill-ext bench --json`` printed; ``--kernel``: kernel.py's ``--json``.

@@ -124,7 +124,7 @@ def single(results: Path) -> None:
         warm.set()
         shell(
             f"{pytest} tests/gpu/test_kernels.py tests/gpu/test_no_sync.py "
-            "tests/test_conformance.py::test_builtin_backends_conform_on_gpu "
+            "tests/testing/test_conformance.py::test_builtin_backends_conform_on_gpu "
             f"--junitxml={results}/kernels.xml",
             results / "kernels.log",
             "1",

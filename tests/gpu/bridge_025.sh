@@ -20,7 +20,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 python -m mla_prefill_ext info > "$results/info.txt" 2>&1
 echo "info: exit $? (see $results/info.txt)"
 if [[ ${KERNELS:-1} == 1 ]]; then  # KERNELS=0: the engine scenarios alone (the suites take minutes)
-  python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/test_conformance.py \
+  python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/testing/test_conformance.py \
     > "$results/kernels.txt" 2>&1
   echo "kernels and conformance: exit $? ($(tail -1 "$results/kernels.txt"))"
 fi

@@ -13,7 +13,7 @@ this folder is put on ``PYTHONPATH`` so vLLM's engine processes import it too):
   FlashInfer builds or loads its prefill kernels at the first request instead of at engine
   start (``tests/gpu/test_first_request.py`` must see that).
 
-The mistakes live in mixins, so the CPU layer test (tests/test_layer.py) applies the
+The mistakes live in mixins, so the CPU layer test (tests/hosts/vllm_0_20/test_layer.py) applies the
 very same mutations to the portable TORCH_SDPA backend (:class:`SdpaScaleOffBackend`,
 :class:`SdpaBase2LseBackend`). The run methods take and pass on extra arguments, so
 the mixins survive the base API growing (``out=``, a chunk object for ``chunk_idx``).
