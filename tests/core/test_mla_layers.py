@@ -19,6 +19,24 @@ def layers_of(cfg: Any, count: int) -> list[Any]:
         ]
 
 
+@pytest.fixture
+def layer_backend(clean_selection: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """On vLLM 0.23+ each layer asks vLLM's selector for its prefill backend: the add-on's portable one
+    here (vLLM's own automatic pick imports its GPU kernels, which a CPU lacks)."""
+    from mla_prefill_ext import versions
+
+    if versions.decide().mode == versions.BRIDGE:
+        import importlib
+
+        import mla_prefill_ext
+        from mla_prefill_ext.hosts import vllm_0_23 as bridge
+
+        clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+        mla_prefill_ext.activate()
+        importlib.import_module(bridge.PREFILL_PACKAGE)
+    return clean_selection
+
+
 def test_the_module_the_hosts_hook_is_vllms_mla_layer_module():
     import importlib
 
@@ -30,7 +48,7 @@ def test_no_configuration_has_no_layers():
     assert mla_layers.mla_layer_hyperparameters(None) == {}
 
 
-def test_every_mla_layer_is_read_by_its_name(clean_selection, model_dirs):
+def test_every_mla_layer_is_read_by_its_name(layer_backend, model_dirs):
     cfg = host.make_vllm_config(model_dirs["yarn"])
     assert mla_layers.mla_layer_hyperparameters(cfg) == {}  # nothing built yet
     layers = layers_of(cfg, 2)
@@ -41,7 +59,7 @@ def test_every_mla_layer_is_read_by_its_name(clean_selection, model_dirs):
     assert layers[0].scale != pytest.approx(192**-0.5)
 
 
-def test_window_and_soft_cap_come_from_the_layers_implementation(clean_selection, model_dirs):
+def test_window_and_soft_cap_come_from_the_layers_implementation(layer_backend, model_dirs):
     cfg = host.make_vllm_config(model_dirs["plain"])
     first, second = layers_of(cfg, 2)
     first.impl.sliding_window = (127, 0)  # vLLM's (left, right) form
@@ -53,7 +71,7 @@ def test_window_and_soft_cap_come_from_the_layers_implementation(clean_selection
     assert found[second.layer_name] == (0.125, 63, 0.0)
 
 
-def test_what_is_not_an_mla_layer_is_skipped(clean_selection, model_dirs):
+def test_what_is_not_an_mla_layer_is_skipped(layer_backend, model_dirs):
     cfg = host.make_vllm_config(model_dirs["plain"])
     (layer,) = layers_of(cfg, 1)
     context = cfg.compilation_config.static_forward_context

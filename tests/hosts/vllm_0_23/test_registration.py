@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from mla_prefill_ext._logging import forget_logged
 from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync as registration
 
 pytestmark = pytest.mark.vllm_bridge
@@ -22,7 +23,7 @@ FOREIGN = "custom_backends.WrappedSDPABackend"  # a class registered through vLL
 @pytest.fixture
 def synced(bridged: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The bridge's shape; afterwards vLLM's CUSTOM is free again and the registries agree."""
-    monkeypatch.setattr(registration, "_warned", set())  # each test sees its own warnings
+    forget_logged()  # each test sees its own warnings
     yield bridged
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
 
