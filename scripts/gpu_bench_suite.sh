@@ -14,7 +14,7 @@
 # agreed), FLASH_ATTN, FLASHINFER and TORCH_SDPA at R1's dims, 16 heads: kernel, bench, kernel, bench,
 # each a fresh process, the kernel benchmark with --with-lse (the new tokens with their LSE, as a step
 # with context calls them), while nvidia-smi logs the SM clock, power and throttle reasons every
-# 200 ms (clocks.csv); then every bench run against every kernel run (bench-vs-kernel-bI-kJ.*).
+# 100 ms (clocks.csv); then every bench run against every kernel run (bench-vs-kernel-bI-kJ.*).
 # Both record each repetition's time, so a drift within a measurement shows. A few minutes in all
 # (FlashInfer's first JIT included).
 set -u
@@ -32,7 +32,7 @@ if [ "$mode" = "--interleaved" ]; then
   kernel_shapes=1x1024,1x8192,8x2048,32x512,64x128  # each with as much context: 8x2048+2048, 64x128+128
   backends=FLASH_ATTN,FLASHINFER,TORCH_SDPA
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv -lms 200 > "$out/clocks.csv" 2>&1 &
+    --format=csv -lms 100 > "$out/clocks.csv" 2>&1 &
   smi=$!
   for i in 1 2; do
     stamp "kernel benchmark, run $i"
