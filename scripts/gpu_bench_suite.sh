@@ -8,14 +8,53 @@
 # 4. python -m scripts.bench bench_vs_kernel: each backend and shape both timed, bench's time over
 #    the kernel benchmark's (the two should agree within 5%).
 # Everything lands in OUT_DIR (logs, JSON, Markdown). PYTHON names the interpreter (default: python).
+#
+#   bash scripts/gpu_bench_suite.sh OUT_DIR --interleaved
+# instead runs only the comparison, on the shapes where the two disagreed (and 1x8192, where they
+# agreed), FLASH_ATTN, FLASHINFER and TORCH_SDPA at R1's dims, 16 heads: kernel, bench, kernel, bench,
+# each a fresh process, the kernel benchmark with --with-lse (the new tokens with their LSE, as a step
+# with context calls them), while nvidia-smi logs the SM clock, power and throttle reasons every
+# 100 ms (clocks.csv); then every bench run against every kernel run (bench-vs-kernel-bI-kJ.*).
+# Both record each repetition's time, so a drift within a measurement shows. A few minutes in all
+# (FlashInfer's first JIT included).
 set -u
-out=${1:?usage: gpu_bench_suite.sh OUT_DIR}
+out=${1:?usage: gpu_bench_suite.sh OUT_DIR [--interleaved]}
+mode=${2:-full}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+if [ "$mode" = "--interleaved" ]; then
+  bench_shapes=1x1024,1x8192,8x2048,32x512,64x128,8x2048+2048,64x128+128
+  kernel_shapes=1x1024,1x8192,8x2048,32x512,64x128  # each with as much context: 8x2048+2048, 64x128+128
+  backends=FLASH_ATTN,FLASHINFER,TORCH_SDPA
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$out/clocks.csv" 2>&1 &
+  smi=$!
+  for i in 1 2; do
+    stamp "kernel benchmark, run $i"
+    "$py" -m scripts.bench kernel --dims r1 --heads 16 --shapes "$kernel_shapes" --with-lse --backends "$backends" \
+      --json "$out/kernel-$i.json" > "$out/kernel-$i.log" 2>&1
+    stamp "kernel benchmark, run $i: rc=$?"
+    stamp "bench, run $i"
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m mla_prefill_ext bench --backend "$backends" --device cuda \
+      --dims r1 --shapes "$bench_shapes" --json > "$out/bench-$i.json" 2> "$out/bench-$i.log"
+    stamp "bench, run $i: rc=$?"
+  done
+  kill "$smi"
+  for i in 1 2; do
+    for j in 1 2; do
+      "$py" -m scripts.bench bench_vs_kernel --bench "$out/bench-$i.json" --kernel "$out/kernel-$j.json" \
+        --json "$out/bench-vs-kernel-b$i-k$j.json" --markdown "$out/bench-vs-kernel-b$i-k$j.md" \
+        > "$out/bench-vs-kernel-b$i-k$j.log" 2>&1
+      stamp "bench run $i vs kernel run $j: rc=$? ($(tail -1 "$out/bench-vs-kernel-b$i-k$j.log"))"
+    done
+  done
+  exit 0
+fi
 
 stamp "environment"
 {

@@ -7,7 +7,10 @@
 ``--bench``: what ``mla-prefill-ext bench --json`` printed; ``--kernel``: kernel.py's ``--json``.
 Each backend and shape both measured is a pair: a bench step without context against kernel.py's
 new_tokens row (same backend, head dims, heads and shape); a step with context in one chunk as long
-as the new tokens (kernel.py's shapes) against kernel.py's new_tokens plus context_chunk. The ratio
+as the new tokens (kernel.py's shapes) against kernel.py's new_tokens_lse (``kernel --with-lse``:
+the new tokens with their LSE, as that step calls them) plus context_chunk. A kernel.py record
+without new_tokens_lse pairs its new_tokens instead, marked ``lse_left_out`` (the step's LSE is not
+in kernel.py's figure). Only bench's bfloat16 runs are paired (kernel.py times bfloat16). The ratio
 is bench's time over kernel.py's; a pair further from 1 than the tolerance is flagged, and the exit
 code is 1 when one is. Runs on any machine: nothing is measured.
 """
@@ -37,7 +40,9 @@ def pairs(bench: dict[str, Any], kernel: dict[str, Any], tolerance: float) -> li
     dims, heads = (d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]), d["num_heads"]
     shapes = {s["label"]: s for s in bench["shapes"]}
     times = _kernel_times(kernel)
-    out = []
+    out: list[dict[str, Any]] = []
+    if bench.get("dtype", "bfloat16") != "bfloat16":
+        return out  # kernel.py's inputs are bfloat16: no pair is the same step
     for row in bench["results"]:
         shape = shapes[row["shape"]]
         if row["time_ms"] is None:
@@ -46,7 +51,9 @@ def pairs(bench: dict[str, Any], kernel: dict[str, Any], tolerance: float) -> li
         if shape["context_tokens"] == 0:
             ops = ["new_tokens"]
         elif shape["context_tokens"] == shape["new_tokens"] and shape["chunks"] == 1:
-            ops = ["new_tokens", "context_chunk"]
+            # The step asks for the new tokens' LSE (to merge the context's result with it).
+            with_lse = (row["backend"], "new_tokens_lse", dims, heads, key) in times
+            ops = ["new_tokens_lse" if with_lse else "new_tokens", "context_chunk"]
         else:
             continue  # kernel.py has no such shape
         found = [times.get((row["backend"], op, dims, heads, key)) for op in ops]
@@ -62,6 +69,7 @@ def pairs(bench: dict[str, Any], kernel: dict[str, Any], tolerance: float) -> li
                 "bench_ms": row["time_ms"],
                 "kernel_ms": kernel_ms,
                 "kernel_ops": ops,
+                "lse_left_out": ops[0] == "new_tokens" and len(ops) > 1,
                 "ratio": ratio,
                 "within_tolerance": abs(ratio - 1) <= tolerance,
             }
@@ -71,13 +79,15 @@ def pairs(bench: dict[str, Any], kernel: dict[str, Any], tolerance: float) -> li
 
 def markdown(rows: list[dict[str, Any]], tolerance: float) -> str:
     lines = [
-        f"| backend | shape | heads | bench ms | kernel.py ms | ratio | within {tolerance:.0%} |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| backend | shape | heads | bench ms | kernel.py ms | kernel.py ops | ratio "
+        f"| within {tolerance:.0%} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['backend']} | {r['shape']} | {r['heads']} | {r['bench_ms']:.3f} | {r['kernel_ms']:.3f} "
-            f"| {r['ratio']:.3f} | {'yes' if r['within_tolerance'] else 'NO'} |"
+            f"| {' + '.join(r['kernel_ops'])} | {r['ratio']:.3f} "
+            f"| {'yes' if r['within_tolerance'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 

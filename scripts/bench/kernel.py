@@ -2,6 +2,7 @@
 
     python -m scripts.bench kernel [--json out.json] [--plot out.png] [--quick] [--rounds 5]
         [--backends FLASH_ATTN,FLASHINFER,TORCH_SDPA] [--dims r1|non-r1|all] [--device auto|cuda|cpu]
+        [--shapes 1x1024,8x2048] [--heads 16] [--with-lse]
 
 TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk after
 prepare_metadata, next to the same kernel called directly with the same arguments
@@ -10,6 +11,11 @@ repeated launches after warm-up, the two sides interleaved round by round, media
 rounds. Then, per shape, the fastest backend measured and what automatic selection picks on
 this GPU. On the CPU (no GPU, or --device cpu) one smoke-sized case checks the script, not
 the numbers. Tables and plot from a run's log: kernel_report.py.
+
+--shapes / --heads replace the grid's shapes (SEQSxNEW, each with one context chunk as long as
+the new tokens) and head counts. --with-lse adds the op new_tokens_lse: the new tokens with their
+LSE, as a step with cached context calls them (vLLM merges the context chunks' results with it);
+new_tokens is timed without it, as a step without context calls it.
 """
 
 from __future__ import annotations
@@ -27,16 +33,35 @@ from .kernel_tables import NON_R1, R1, fastest_per_shape, plot
 KERNEL_BACKENDS = "FLASH_ATTN,FLASHINFER,TORCH_SDPA"
 
 
-def kernel_grid(quick: bool, device: str, dims_choice: str = "all") -> list[dict[str, Any]]:
+def parse_grid_shapes(text: str) -> list[list[int]]:
+    """--shapes: ``SEQSxNEW`` items, comma-separated, as each case's new-token lengths."""
+    out = []
+    for item in text.split(","):
+        seqs, _, new = item.strip().partition("x")
+        if not (seqs.isdigit() and new.isdigit()) or min(int(seqs), int(new)) < 1:
+            raise ValueError(f"{item!r}: expected SEQSxNEW, e.g. 8x2048")
+        out.append([int(new)] * int(seqs))
+    return out
+
+
+def kernel_grid(
+    quick: bool,
+    device: str,
+    dims_choice: str = "all",
+    shapes: list[list[int]] | None = None,
+    heads_choice: tuple[int, ...] = (16, 128),
+) -> list[dict[str, Any]]:
     if device == "cpu":  # a smoke-sized case: the script itself, not the numbers
         return [{"dims": R1, "heads": 2, "new": [64], "ctx": [64]}]
     singles = [512, 1024, 2048, 4096, 8192, 16384, 32768]
     batches = [[128] * 64, [512] * 32, [2048] * 8]
     if quick:
         singles, batches = [512, 4096, 16384], [[128] * 64]
+    if shapes is not None:
+        singles, batches = [], shapes
     grid = []
     for dims in {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]:
-        for heads in (16, 128):
+        for heads in heads_choice:
             for n in singles:
                 grid.append({"dims": dims, "heads": heads, "new": [n], "ctx": [n]})
             for b in batches:
@@ -94,6 +119,7 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
         new_kw, ctx_kw = backend._new_tokens_kwargs, backend._context_chunk_kwargs(0)
         return {
             "new_tokens": lambda: fa(q=p.q, k=p.k, v=p.v, **new_kw, return_softmax_lse=False),
+            "new_tokens_lse": lambda: fa(q=p.q, k=p.k, v=p.v, **new_kw, return_softmax_lse=True),
             "context_chunk": lambda: fa(
                 q=chunk_q_k_v[0], k=chunk_q_k_v[1], v=chunk_q_k_v[2], **ctx_kw, return_softmax_lse=True
             ),
@@ -102,13 +128,16 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
         # The wrappers the backend planned (its own instances): run them directly.
         return {
             "new_tokens": lambda: backend._main.run(p.q, p.k, p.v, return_lse=False),
+            "new_tokens_lse": lambda: backend._main.run(p.q, p.k, p.v, return_lse=True),
             "context_chunk": lambda: backend._chunks[0].run(*chunk_q_k_v, return_lse=True),
         }
     return {}
 
 
-def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device) -> list[dict]:
-    """Both ops of one backend on one shape, next to the bare kernel where there is one."""
+def measure_backend(
+    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse=False
+) -> list[dict]:
+    """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
     import torch
 
     from mla_prefill_ext.testing.problem import deepseek_yarn_scale
@@ -120,9 +149,13 @@ def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, ro
     ours = {
         "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
         "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
+        "new_tokens_lse": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, True),
     }
     bare = bare_kernels(name, backend, p, chunk)
-    for op, flops in (("new_tokens", new_flops), ("context_chunk", ctx_flops)):
+    ops = [("new_tokens", new_flops), ("context_chunk", ctx_flops)]
+    if with_lse:
+        ops.append(("new_tokens_lse", new_flops))
+    for op, flops in ops:
         fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
         for fn in fns.values():  # warm-up (and JIT)
             fn()
@@ -148,6 +181,7 @@ def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, ro
             t = statistics.median(s)
             row[f"{k}_ms"] = t * 1e3
             row[f"{k}_tflops"] = flops / t / 1e12
+            row[f"{k}_rounds_ms"] = [x * 1e3 for x in s]  # each round's, in order: drift shows here
         if "bare_ms" in row:
             row["ratio"] = row["bare_ms"] / row["backend_ms"]
         rows.append(row)
@@ -156,7 +190,7 @@ def measure_backend(name, cls, case, p, chunk, new_flops, ctx_flops, measure, ro
 
 
 def bench_kernels(
-    names: list[str], device: str, capability: Any, grid: list[dict], rounds: int
+    names: list[str], device: str, capability: Any, grid: list[dict], rounds: int, with_lse: bool = False
 ) -> list[dict]:
     """Every valid backend of ``names`` on each case of ``grid``; a shape a kernel refuses is a row too."""
     import torch
@@ -179,7 +213,7 @@ def bench_kernels(
                 continue
             try:
                 rows += measure_backend(
-                    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device
+                    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse
                 )
             except RuntimeError as e:  # a kernel that refuses this shape is a result too
                 rows.append(
@@ -206,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per shape (median taken)")
     parser.add_argument("--backends", default=KERNEL_BACKENDS, help="comma-separated backends to time")
     parser.add_argument("--dims", choices=["r1", "non-r1", "all"], default="all", help="grid shapes")
+    parser.add_argument("--shapes", help="SEQSxNEW,... instead of the grid's shapes (context: NEW each)")
+    parser.add_argument("--heads", default="16,128", help="head counts, comma-separated")
+    parser.add_argument("--with-lse", action="store_true", help="also time new_tokens_lse (see above)")
     parser.add_argument(
         "--device",
         choices=["auto", "cuda", "cpu"],
@@ -227,8 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     capability = current_device_capability() if device == "cuda" else None
     out = common.record()
-    grid = kernel_grid(args.quick, device, args.dims)
-    out["kernel"] = bench_kernels(names, device, capability, grid, args.rounds)
+    try:
+        shapes = parse_grid_shapes(args.shapes) if args.shapes else None
+        heads = tuple(int(h) for h in args.heads.split(","))
+    except ValueError as e:
+        raise SystemExit(f"--shapes/--heads: {e}") from None
+    grid = kernel_grid(args.quick, device, args.dims, shapes, heads)
+    out["kernel"] = bench_kernels(names, device, capability, grid, args.rounds, args.with_lse)
     out["selection"] = fastest_per_shape(out["kernel"], capability)
     if args.plot:
         plot(out["kernel"], args.plot)

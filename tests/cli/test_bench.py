@@ -418,3 +418,46 @@ def test_bench_and_kernel_benchmark_meet_on_the_same_shapes(tmp_path: Path) -> N
     assert [(p["backend"], p["shape"]) for p in got] == [("TORCH_SDPA", "1x64"), ("TORCH_SDPA", "1x64+64")]
     assert all(p["bench_ms"] > 0 and p["kernel_ms"] > 0 for p in got)
     assert "| TORCH_SDPA | 1x64+64 | 2 |" in proc.stdout
+
+
+def test_bench_vs_kernel_pairs_a_step_with_context_with_the_new_tokens_lse_row() -> None:
+    """A step with cached context asks for the new tokens' LSE: kernel.py's new_tokens_lse is its figure."""
+    from scripts.bench.bench_vs_kernel import pairs
+
+    shape = {"label": "1x4096+4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 4096, "chunks": 1}
+    bench = {
+        "dtype": "bfloat16",
+        "dims": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_heads": 16},
+        "shapes": [shape],
+        "results": [{"backend": "FLASHINFER", "shape": "1x4096+4096", "time_ms": 3.5}],
+    }
+
+    def row(op: str, ms: float) -> dict[str, Any]:
+        return {"backend": "FLASHINFER", "op": op, "dims": [128, 64, 128], "heads": 16, "shape": "1x4096",
+                "backend_ms": ms}  # fmt: skip
+
+    kernel = {"kernel": [row("new_tokens", 1.0), row("new_tokens_lse", 1.5), row("context_chunk", 2.0)]}
+    (got,) = pairs(bench, kernel, 0.05)
+    assert got["kernel_ops"] == ["new_tokens_lse", "context_chunk"] and not got["lse_left_out"]
+    assert got["kernel_ms"] == pytest.approx(3.5) and got["within_tolerance"]
+    # An older record (no new_tokens_lse): paired, and marked as leaving the LSE out.
+    (old,) = pairs(bench, {"kernel": [row("new_tokens", 1.0), row("context_chunk", 2.0)]}, 0.05)
+    assert old["kernel_ops"] == ["new_tokens", "context_chunk"] and old["lse_left_out"]
+    # kernel.py times bfloat16: a float16 bench run is not the same step.
+    assert pairs({**bench, "dtype": "float16"}, kernel, 0.05) == []
+
+
+def test_kernel_grid_takes_the_shapes_and_heads_asked_for() -> None:
+    """The GPU suite's interleaved run times kernel.py on bench's shapes only, one head count."""
+    from scripts.bench.kernel import kernel_grid, parse_grid_shapes
+
+    shapes = parse_grid_shapes("1x1024,8x2048")
+    grid = kernel_grid(False, "cuda", "r1", shapes, (16,))
+    assert [(c["heads"], len(c["new"]), c["new"][0], c["ctx"]) for c in grid] == [
+        (16, 1, 1024, [1024]),
+        (16, 8, 2048, [2048] * 8),
+    ]
+    assert len(kernel_grid(False, "cuda", "r1")) == 20  # the default grid: 10 shapes, 16 and 128 heads
+    for bad in ("8x", "0x128", "2048"):
+        with pytest.raises(ValueError, match="SEQSxNEW"):
+            parse_grid_shapes(bad)
