@@ -12,6 +12,10 @@ by path: nox's interpreter may not import the package.
 
 pytest runs with two workers (pytest-xdist, ``-n 2 --dist loadfile``).
 
+``MLA_NOX_DISCARD_ENVS=1`` (set by ``.ci/run``) deletes a bridged session's environment when the
+session ends: on a fresh CI machine the three environments together (27 GB) may not fit on disk,
+one at a time (18 GB with ``.venv``) does.
+
 Arguments after ``--`` go to pytest (``python -m nox -- -x tests/hosts/vllm_0_23/test_bridge.py``).
 The supported versions and modes are declared in ``mla_prefill_ext/versions.py``.
 """
@@ -19,6 +23,8 @@ The supported versions and modes are declared in ``mla_prefill_ext/versions.py``
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -77,7 +83,12 @@ def _bridged(version: str) -> None:
             session.install(*TEST_TOOLS)  # a no-op once they are there
         session.install("--no-deps", "-e", ".")
         session.install("wrapt>=2.5")
-        session.run("python", *PYTEST, *session.posargs)
+        try:
+            session.run("python", *PYTEST, *session.posargs)
+        finally:
+            if os.environ.get("MLA_NOX_DISCARD_ENVS") == "1":
+                session.log(f"MLA_NOX_DISCARD_ENVS=1: deleting {session.virtualenv.location}")
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
     tests.__doc__ = f"vLLM {version} (bridge mode), in .nox/tests-{version.replace('.', '-')}."
     globals()[f"tests_{version.replace('.', '_')}"] = tests
