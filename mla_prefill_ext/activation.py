@@ -41,7 +41,16 @@ def _on_imported(module: ModuleType) -> None:
     if _active and _mode == "patch":
         from mla_prefill_ext.hosts import vllm_0_20
 
-        vllm_0_20.instrumentor_for(module.__name__).instrument(module)
+        patched = vllm_0_20.instrumentor_for(module.__name__).instrument(module)
+        if patched and module.__name__ == vllm_0_20.MLA_MODULE:
+            _instrument_shared_prefix(module)
+
+
+def _instrument_shared_prefix(mla_module: ModuleType) -> None:
+    """The shared-prefix path, on either host, after the host's own wrappers (it reads what they set)."""
+    from mla_prefill_ext.hosts.core.shared_prefix.instrumentor import INSTRUMENTOR
+
+    INSTRUMENTOR.instrument(mla_module)
 
 
 def _vllm_missing() -> bool:
@@ -157,6 +166,7 @@ def _on_bridge_module_imported(module: ModuleType) -> None:
     if not (_active and _mode == "bridge"):
         return
     from mla_prefill_ext.hosts import vllm_0_23
+    from mla_prefill_ext.mla_layers import MLA_MODULE
 
     if module.__name__ == vllm_0_23.PREFILL_PACKAGE:
         reason = vllm_0_23.instrument()
@@ -164,6 +174,8 @@ def _on_bridge_module_imported(module: ModuleType) -> None:
             vllm_0_23.refuse_if_explicit(reason)  # an explicit choice in the environment fails now
     else:
         vllm_0_23.instrument_binding(module)
+        if module.__name__ == MLA_MODULE and vllm_0_23.is_instrumented():
+            _instrument_shared_prefix(module)
 
 
 def _activate_bridge(decision: Any) -> None:
@@ -192,10 +204,12 @@ def deactivate() -> None:
     A host that was never imported armed nothing: it is not imported here either.
     """
     global _active, _mode
-    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST, STOCK_GUARD_MODULE
+    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST, SHARED_PREFIX_MODULE, STOCK_GUARD_MODULE
 
     with _LOCK:
         _active, _mode = False, None
+    if SHARED_PREFIX_MODULE in sys.modules:
+        sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument()
     if f"{BRIDGE_HOST}.bridge" in sys.modules:
         sys.modules[BRIDGE_HOST].uninstrument()
     if STOCK_GUARD_MODULE in sys.modules:

@@ -30,6 +30,8 @@ BACKEND_ENV = "MLA_PREFILL_BACKEND"
 OVERRIDES_ENV = "MLA_PREFILL_BACKEND_OVERRIDES"
 DISABLE_ENV = "MLA_PREFILL_EXT_DISABLE"
 ENV_VARS = (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)
+SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"
+SHARED_PREFIX_KEY = "mla_prefill_shared_prefix"
 
 ADDITIONAL_CONFIG_KEY = "mla_prefill_backend"
 STAMP_KEY = "mla_prefill_ext"
@@ -38,6 +40,7 @@ AUTO = "AUTO"
 RAY_COPY_LIST_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 class Choice(NamedTuple):
@@ -86,6 +89,28 @@ def user_setting(additional_config: Any = None) -> tuple[bool, Choice | None]:
 def explicit_choice(additional_config: Any = None) -> Choice | None:
     """The user's explicit backend choice in force, or None (automatic, or nothing set)."""
     return user_setting(additional_config)[1]
+
+
+def shared_prefix_setting(additional_config: Any = None) -> tuple[bool, str]:
+    """Whether the shared-prefix path may run, and where that was said (on unless turned off).
+
+    ``additional_config["mla_prefill_shared_prefix"]`` first (a bool or one of the words below),
+    then :data:`SHARED_PREFIX_ENV` (``0``/``false``/``no``/``off`` turn it off). A value that is
+    neither raises, naming where it came from.
+    """
+    value = additional_config.get(SHARED_PREFIX_KEY) if isinstance(additional_config, dict) else None
+    if value is not None:
+        source = f"additional_config['{SHARED_PREFIX_KEY}']"
+    else:
+        value, source = os.environ.get(SHARED_PREFIX_ENV), SHARED_PREFIX_ENV
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return True, "the default"
+    if isinstance(value, bool):
+        return value, source
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE, source
+    raise ValueError(f"{source}={value!r} is not a switch: use 1/true/on or 0/false/off")
 
 
 def is_disabled() -> bool:
@@ -231,6 +256,6 @@ def mismatch(stamp: Any) -> str | None:
 def ask_vllm_to_copy_to_ray() -> None:
     """Add our variables to vLLM's list of those it copies to Ray actors (idempotent)."""
     listed = [v.strip() for v in os.environ.get(RAY_COPY_LIST_ENV, "").split(",") if v.strip()]
-    missing = [v for v in ENV_VARS if v not in listed]
+    missing = [v for v in (*ENV_VARS, SHARED_PREFIX_ENV) if v not in listed]
     if missing:
         os.environ[RAY_COPY_LIST_ENV] = ",".join([*listed, *missing])

@@ -76,6 +76,10 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     backend, so what the layer merges is never padded.
     """
 
+    # Its clone serves a step of shared segments from the prepared metadata alone (checked against
+    # vLLM's per-request plan on the H200: docs/benchmarks.md, shared-prefix layer).
+    accepts_shared_context_segments: ClassVar[bool] = True
+
     hardware_note: ClassVar[str] = "H200 (SM90, FA3)"
     # No warm-up (kernel_warmup stays None): vLLM's wheel (or flash-attn's) ships these kernels
     # compiled, and the library is loaded with vLLM. A variant's first call only loads its

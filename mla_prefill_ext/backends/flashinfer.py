@@ -65,6 +65,10 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     backend on its own) it plans with its own values. Layers that disagree are an error naming them.
     """
 
+    # Its clone serves a step of shared segments from the prepared metadata alone (checked against
+    # vLLM's per-request plan on the H200: docs/benchmarks.md, shared-prefix layer).
+    accepts_shared_context_segments: ClassVar[bool] = True
+
     requires_r1_mla_dimensions: ClassVar[bool] = True
     supports_fp8_query: ClassVar[bool] = True  # the SM100 cutlass kernel takes FP8 q/k/v
     hardware_note: ClassVar[str] = "H200 (SM90, fa3); SM100 (cutlass) unverified on hardware"

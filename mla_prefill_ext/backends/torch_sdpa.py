@@ -45,6 +45,10 @@ def _math_with_lse(
 class TorchSDPAPrefillBackend(MLAPrefillBackend):
     """Portable MLA prefill on ``torch.nn.functional.scaled_dot_product_attention``."""
 
+    # Its clone serves a step of shared segments from the prepared metadata alone (checked against
+    # vLLM's per-request plan on the H200: docs/benchmarks.md, shared-prefix layer).
+    accepts_shared_context_segments: ClassVar[bool] = True
+
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16,
         torch.bfloat16,

@@ -21,8 +21,9 @@ from typing import Any
 PATCH_HOST = f"{__name__}.vllm_0_20"
 BRIDGE_HOST = f"{__name__}.vllm_0_23"
 STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
+SHARED_PREFIX_MODULE = f"{__name__}.core.shared_prefix.instrumentor"
 
-__all__ = ["BRIDGE_HOST", "PATCH_HOST", "STOCK_GUARD_MODULE", "host_report"]
+__all__ = ["BRIDGE_HOST", "PATCH_HOST", "SHARED_PREFIX_MODULE", "STOCK_GUARD_MODULE", "host_report"]
 
 
 def host_report(mode: str, mla_module: Any = None) -> Any:

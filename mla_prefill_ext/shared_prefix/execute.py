@@ -170,13 +170,21 @@ def compute_context(
 
 
 def vllm_merge(
-    prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch.Tensor, suffix_lse: torch.Tensor
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    kernel: Callable[..., None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``merge_attn_states`` (CUDA or Triton: a GPU), as its context loop calls it."""
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+    """vLLM's ``merge_attn_states`` (CUDA or Triton: a GPU), as its context loop calls it.
+
+    ``kernel``: the binding to call (a host passes the MLA module's own, the one vLLM's loop calls).
+    """
+    if kernel is None:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states as kernel
 
     out, lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
-    merge_attn_states(
+    kernel(
         output=out,
         prefix_output=prefix_out,
         prefix_lse=prefix_lse,

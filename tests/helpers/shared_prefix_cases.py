@@ -35,9 +35,15 @@ REQUESTS = [
 
 
 class SegmentSDPA(TorchSDPAPrefillBackend):
-    """TORCH_SDPA declaring shared segments (its kernel reads only the prepared step's bounds)."""
+    """TORCH_SDPA, which declares shared segments (its kernel reads only the prepared step's bounds)."""
 
     accepts_shared_context_segments = True
+
+
+class NoSegmentSDPA(TorchSDPAPrefillBackend):
+    """A backend that does not declare shared segments (a registered backend's default)."""
+
+    accepts_shared_context_segments = False
 
 
 def make_backend(cls: type = SegmentSDPA) -> TorchSDPAPrefillBackend:

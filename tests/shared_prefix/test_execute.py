@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from shared_prefix_cases import BS, DIMS, SCALE, SegmentSDPA, make_backend, make_step
+from shared_prefix_cases import BS, DIMS, SCALE, NoSegmentSDPA, SegmentSDPA, make_backend, make_step
 
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.shared_prefix.execute import LayerContext, compute_context
@@ -92,13 +92,13 @@ def test_shared_segments_match_attention_over_each_whole_context(workspace, dtyp
 
 def test_a_backend_that_does_not_declare_segments_gets_vllms_plan():
     step = make_step()
-    assert not accepts_shared_segments(TorchSDPAPrefillBackend) and accepts_shared_segments(SegmentSDPA)
-    shared = accepts_shared_segments(TorchSDPAPrefillBackend)
+    assert not accepts_shared_segments(NoSegmentSDPA) and accepts_shared_segments(TorchSDPAPrefillBackend)
+    shared = accepts_shared_segments(NoSegmentSDPA)
     plan = plan_context(
         step.table.numpy(), step.context_lens, step.query_start_loc, BS, 7 * BS, shared=shared
     )
     assert not plan.has_segments
-    out, lse, projected = run_layer(step, plan, backend_cls=TorchSDPAPrefillBackend)
+    out, lse, projected = run_layer(step, plan, backend_cls=NoSegmentSDPA)
     out_err, lse_err = errors(step, out, lse)
     assert out_err <= FP32.output_rel and lse_err <= FP32.lse_abs
     assert projected == sum(step.context_lens)

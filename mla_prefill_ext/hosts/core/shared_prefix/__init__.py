@@ -1,0 +1,16 @@
+"""The shared-prefix path in vLLM's MLA context code, on both hosts (vLLM 0.20.x and 0.23+).
+
+The plan and the per-layer computation are host-independent (:mod:`mla_prefill_ext.shared_prefix`);
+this package puts them where vLLM runs its own context path:
+
+* :mod:`.switch`: whether the path runs in an engine (the setting, then the exclusions), one
+  INFO line per process saying which and why.
+* :mod:`.block_tables`: the host copy of the block table the runner hands the builder a device
+  view of (found by address, no device sync).
+* :mod:`.targets`: the shape vLLM's context path must have (``MLACommonImpl._compute_prefill_context``
+  and the metadata builder's ``build``, as in vLLM 0.20.2-0.25.1); otherwise nothing is wrapped,
+  one line says so, and vLLM runs as it always does.
+* :mod:`.step`: once per step, after vLLM's builder: the plan, the private chunks, the segment instance.
+* :mod:`.layer`: per layer, in place of ``_compute_prefill_context`` when the step has a plan.
+* :mod:`.instrumentor`: the wrappers, all or none, symmetric and idempotent.
+"""

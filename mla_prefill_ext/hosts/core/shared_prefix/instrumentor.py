@@ -1,0 +1,75 @@
+"""The shared-prefix path's wrappers: all or none, symmetric and idempotent, on the core's bookkeeping.
+
+Three wrappers: the MLA metadata builder's ``build`` (:func:`.step.after_build`), the MLA impl's
+``_compute_prefill_context`` (:func:`.layer.compute_prefill_context`) and the runner block
+table's ``get_device_tensor`` (:func:`.block_tables.remember_host_twin`). Applied when vLLM's MLA
+module is imported, after the host's own patch (vLLM 0.20) or bridge (0.23+), and only when
+:mod:`.targets` finds the shape they were written for; otherwise one INFO line says why and
+vLLM's context path runs as it always does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from types import ModuleType
+
+from mla_prefill_ext import versions
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.core.instrumentor import Wrappers
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, step, targets
+
+
+class SharedPrefixInstrumentor:
+    def __init__(self) -> None:
+        self.wrappers = Wrappers()
+        self.instrumented = False
+        self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
+        self._lock = threading.RLock()
+
+    def instrument(self, mla_module: ModuleType) -> bool:
+        """Wrap vLLM's context path (all or none; idempotent). True when in place."""
+        with self._lock:
+            if self.instrumented:
+                return True
+            try:
+                block_table_module = importlib.import_module(targets.BLOCK_TABLE_MODULE)
+                problem = targets.problem(mla_module, block_table_module)
+            except ImportError as e:
+                problem = f"{targets.BLOCK_TABLE_MODULE} does not import ({e})"
+            if problem is None:
+                problem = self.wrappers.wrap_all(
+                    mla_module,
+                    [(targets.BUILD, step.after_build), (targets.CONTEXT, layer.compute_prefill_context)],
+                )
+            if problem is None:
+                problem = self.wrappers.wrap_all(
+                    block_table_module, [(targets.DEVICE_TENSOR, block_tables.remember_host_twin)]
+                )
+                if problem is not None:
+                    self.wrappers.unwrap_all()
+            if problem is not None:
+                self.problem = f"vLLM {versions.installed_vllm_version()}: {problem}"
+                log_once(
+                    logging.INFO,
+                    ("shared-prefix-shape", self.problem),
+                    "MLA shared-prefix prefill (mla-prefill-ext): not available (%s); vLLM's own context "
+                    "path runs.",
+                    self.problem,
+                )
+                return False
+            self.problem = None
+            self.instrumented = True
+            return True
+
+    def uninstrument(self) -> None:
+        """Remove every wrapper (idempotent)."""
+        with self._lock:
+            self.wrappers.unwrap_all()
+            block_tables.forget()
+            self.instrumented = False
+            self.problem = None
+
+
+INSTRUMENTOR = SharedPrefixInstrumentor()

@@ -1,0 +1,59 @@
+"""Per layer: the context part of a step that has a shared-prefix plan, in place of vLLM's loop.
+
+``MLACommonImpl._compute_prefill_context`` returns the context's output and LSE over the step's
+prefill queries; with a plan (:mod:`.step`) :func:`mla_prefill_ext.shared_prefix.compute_context`
+returns the same two from the shared segments and the private chunks, and ``forward_mha`` merges
+them with the new tokens as before. Without a plan vLLM's own code runs, untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from mla_prefill_ext.hosts.core.shared_prefix.step import STEP_ATTR
+from mla_prefill_ext.mla_layers import MLA_MODULE
+from mla_prefill_ext.shared_prefix import (
+    LatentLayout,
+    LayerContext,
+    compute_context,
+    gather_latent,
+    vllm_merge,
+)
+
+
+def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
+    return kwargs[name] if name in kwargs else args[index]
+
+
+def layer_context(impl: Any, kv_cache: Any, k_scale: Any, workspace: Any) -> LayerContext:
+    """What the shared path reads of vLLM's impl for one call: its cache, projection, dims and merge."""
+    return LayerContext(
+        kv_cache=kv_cache,
+        kv_b_proj=impl.kv_b_proj,
+        dims=LatentLayout(impl.num_heads, impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim),
+        workspace=workspace,
+        # The merge kernel vLLM's own context loop calls: the MLA module's binding.
+        merge=functools.partial(vllm_merge, kernel=sys.modules[MLA_MODULE].merge_attn_states),
+        gather=functools.partial(gather_latent, kv_cache_dtype=impl.kv_cache_dtype, scale=k_scale),
+        concat_k=impl._concat_k_nope_k_pe,
+    )
+
+
+def compute_prefill_context(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``MLACommonImpl._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)``."""
+    attn_metadata = _arg(args, kwargs, "attn_metadata", 2)
+    prefill = getattr(attn_metadata, "prefill", None)
+    step = getattr(prefill, STEP_ATTR, None)
+    if step is None:
+        return wrapped(*args, **kwargs)
+    q = _arg(args, kwargs, "q", 0)
+    layer = layer_context(
+        instance,
+        _arg(args, kwargs, "kv_c_and_k_pe_cache", 1),
+        _arg(args, kwargs, "k_scale", 3),
+        prefill.chunked_context.workspace,
+    )
+    step_backend, segment_backend = step.instances_for(instance)
+    return compute_context(q, step.plan, prefill.block_table, step_backend, segment_backend, layer)

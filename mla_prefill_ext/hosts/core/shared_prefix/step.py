@@ -1,0 +1,166 @@
+"""Once per step, after vLLM's metadata builder: the plan, the private chunks, the segment instance.
+
+vLLM's ``build`` has made the prefill metadata with its own chunk plan and prepared the step's
+backend. When the step's prefill requests share cached leading blocks worth sharing
+(:func:`mla_prefill_ext.shared_prefix.plan_context`), the private chunks replace vLLM's
+(:func:`~mla_prefill_ext.shared_prefix.attach_private_chunks`), the step's backend is prepared
+again for them, a second instance of it is prepared for the shared segments, and the prefill
+metadata carries a :class:`SharedStep` for the layers. Otherwise nothing changes: the layers run
+vLLM's own context path. Reads host copies only (block table, query offsets, sequence lengths).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from mla_prefill_ext._logging import first_time, log_once, logger
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, switch
+from mla_prefill_ext.shared_prefix import (
+    ContextPlan,
+    FlopCostModel,
+    SegmentInstance,
+    accepts_shared_segments,
+    attach_private_chunks,
+    plan_context,
+)
+
+STEP_ATTR = "mla_shared_step"
+"""The prefill metadata's attribute holding the step's :class:`SharedStep` (absent: vLLM's path)."""
+
+# A segment costs a few extra launches per layer (gather, up-projection, attention, merge, the
+# member queries' gather): below about 2,000 shared token-rows saved (8.6 GFLOP of R1
+# up-projection at 16 heads) a group is not worth them. A guard from launch counts, not a
+# calibration.
+COST_MODEL = FlopCostModel(min_saved_flops=8.6e9)
+
+
+class SharedStep:
+    """What the layers of one step read: the plan on the device and each backend key's two instances."""
+
+    __slots__ = ("backends", "plan")
+
+    def __init__(self, plan: ContextPlan, backends: dict[Hashable, tuple[Any, Any]]) -> None:
+        self.plan = plan
+        self.backends = backends  # key -> (step instance, segment instance)
+
+    def instances_for(self, impl: Any) -> tuple[Any, Any]:
+        if len(self.backends) == 1:
+            return next(iter(self.backends.values()))
+        key = getattr(getattr(impl, "prefill_backend", None), "step_key", None)
+        return self.backends[key]
+
+
+class _BuilderState:
+    __slots__ = ("decision", "segments")
+
+    def __init__(self, decision: switch.PathDecision) -> None:
+        self.decision = decision
+        self.segments: dict[Hashable, SegmentInstance] = {}
+
+
+def _state(builder: Any) -> _BuilderState:
+    state = builder.__dict__.get("_mla_shared_prefix")
+    if state is None:
+        state = _BuilderState(switch.decide_and_say(builder.vllm_config))
+        builder._mla_shared_prefix = state
+    return state
+
+
+def step_backends(builder: Any, prefill: Any) -> dict[Hashable, tuple[Any, Callable[[Any], None]]] | None:
+    """The step's add-on instances by backend key, each with how to prepare it again (None: not ours).
+
+    vLLM 0.20, the patch: the builder's prepared runners, one per key, on the prefill metadata.
+    vLLM 0.23+, the bridge: the builder's adapter and the add-on instance inside it.
+    """
+    runners = getattr(prefill, "mla_prefill_runners", None)
+    if runners:
+        return {key: (runner, runner.prepare_metadata) for key, runner in runners.items()}
+    adapter = getattr(builder, "_prefill_backend", None)
+    inner = getattr(adapter, "inner", None)
+    if inner is not None and callable(getattr(adapter, "prepare_metadata", None)):
+        return {None: (inner, adapter.prepare_metadata)}
+    return None
+
+
+def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
+    metadata = wrapped(*args, **kwargs)
+    prefill = getattr(metadata, "prefill", None)
+    if prefill is None or getattr(prefill, "chunked_context", None) is None:
+        return metadata
+    state = _state(instance)
+    if not state.decision.on:
+        return metadata
+    try:
+        plan_step(instance, metadata, prefill, _arg(args, kwargs, "common_attn_metadata", 1), state)
+    except Exception:
+        # A fault of the add-on's planning must not stop the engine: this step runs vLLM's own
+        # context path, and the log says so with the traceback (once per process).
+        prefill.__dict__.pop(STEP_ATTR, None)
+        if first_time("shared-prefix-plan-failed"):
+            logger.exception(
+                "mla-prefill-ext: planning the shared-prefix path failed; this step (and any other "
+                "that fails the same way) runs vLLM's own context path"
+            )
+    return metadata
+
+
+def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _BuilderState) -> None:
+    """Plan the step; attach the plan and prepare both instances when it has shared segments."""
+    import torch
+
+    if prefill.q_data_type not in (torch.bfloat16, torch.float16, torch.float32):
+        return  # FP8 prefill queries: vLLM's path
+    rows = block_tables.host_rows(common.block_table_tensor)
+    seq_lens = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if rows is None or seq_lens is None:
+        log_once(
+            logging.INFO,
+            "shared-prefix-no-host-table",
+            "MLA shared-prefix prefill (mla-prefill-ext): the runner's host block table or sequence "
+            "lengths are not known here; steps run vLLM's own context path.",
+        )
+        return
+    backends = step_backends(builder, prefill)
+    if not backends:
+        return
+    refusing = [type(b).__name__ for b, _ in backends.values() if not accepts_shared_segments(b)]
+    if refusing:
+        log_once(
+            logging.INFO,
+            ("shared-prefix-backend", tuple(refusing)),
+            "MLA shared-prefix prefill (mla-prefill-ext): off for backend %s, which does not declare "
+            "accepts_shared_context_segments; it runs vLLM's own context plan.",
+            ", ".join(refusing),
+        )
+        return
+    start, end = metadata.num_decodes, common.num_reqs
+    loc = common.query_start_loc_cpu[start : end + 1]
+    loc = loc - loc[0]
+    context_lens = seq_lens[start:end] - (loc[1:] - loc[:-1])
+    plan = plan_context(
+        rows[start:end],
+        context_lens.numpy(),
+        loc.numpy(),
+        builder.kv_cache_spec.block_size,
+        builder.chunked_prefill_workspace_size,
+        value=COST_MODEL,
+    )
+    if not plan.has_segments:
+        return
+    attach_private_chunks(plan, prefill)
+    device = prefill.query_start_loc.device
+    instances = {}
+    for key, (backend, prepare) in backends.items():
+        prepare(prefill)  # the private chunks, in place of vLLM's
+        segment = state.segments.get(key)
+        if segment is None:
+            segment = state.segments[key] = SegmentInstance(backend, device)
+        instances[key] = (backend, segment.prepare(plan, prefill))
+    setattr(prefill, STEP_ATTR, SharedStep(plan.to(device), instances))

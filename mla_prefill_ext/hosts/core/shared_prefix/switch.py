@@ -1,0 +1,63 @@
+"""Whether the shared-prefix path runs in this engine: the user's setting, then what it cannot serve yet.
+
+On by default. ``MLA_PREFILL_SHARED_PREFIX=0`` (or ``additional_config["mla_prefill_shared_prefix"]``
+false) turns it off. Excluded for now, each with its reason: an FP8 KV cache (vLLM gathers it
+without dequantizing, the path up-projects bf16 rows), decode context parallelism (each rank
+holds part of the context), prefill context parallelism, and dual-batch overlap (two micro-batches
+split one step's requests; the path plans a whole step).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.settings import shared_prefix_setting
+
+
+class PathDecision(NamedTuple):
+    on: bool
+    reason: str  # why, in words for a log line or ``info``
+
+
+def exclusions(vllm_config: Any) -> list[str]:
+    """What in this engine's configuration the path does not serve yet (empty: nothing)."""
+    reasons = []
+    cache = getattr(vllm_config, "cache_config", None)
+    cache_dtype = str(getattr(cache, "cache_dtype", "auto") or "auto")
+    if cache_dtype not in ("auto", "bfloat16", "float16"):
+        reasons.append(f"the KV cache is {cache_dtype} (an FP8 cache is not served yet)")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        reasons.append("decode context parallelism is on (not served yet)")
+    if (getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+        reasons.append("prefill context parallelism is on (not served yet)")
+    if getattr(parallel, "enable_dbo", False):
+        reasons.append("dual-batch overlap is on (not served yet)")
+    return reasons
+
+
+def decide(vllm_config: Any) -> PathDecision:
+    """The decision for an engine configuration (pure: no logging)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    on, source = shared_prefix_setting(additional)
+    if not on:
+        return PathDecision(False, f"turned off by {source}")
+    excluded = exclusions(vllm_config)
+    if excluded:
+        return PathDecision(False, "; ".join(excluded))
+    return PathDecision(True, "shared cached prefixes of a step's prefill requests are worked once per layer")
+
+
+def decide_and_say(vllm_config: Any) -> PathDecision:
+    """:func:`decide`, with one INFO line per process and decision."""
+    decision = decide(vllm_config)
+    log_once(
+        logging.INFO,
+        ("shared-prefix", decision),
+        "MLA shared-prefix prefill (mla-prefill-ext): %s (%s).",
+        "on" if decision.on else "off",
+        decision.reason,
+    )
+    return decision

@@ -1,0 +1,72 @@
+"""The shape vLLM's context path must have for the shared-prefix path to take its place.
+
+As in vLLM 0.20.2 and 0.25.1: ``MLACommonImpl._compute_prefill_context(q, kv_c_and_k_pe_cache,
+attn_metadata, k_scale)`` defined on ``MLACommonImpl``, gathering with
+``gather_and_maybe_dequant_cache``; the metadata builder's ``build(common_prefix_len,
+common_attn_metadata)`` sizing chunks from ``chunked_prefill_workspace_size``; the prefill
+metadata a dataclass with ``block_table`` and ``chunked_context``; the runner's
+``BlockTable.get_device_tensor(num_reqs)``. vLLM 0.29+ plans context chunks its own way
+(``plan_mla_context_chunks``, chunk objects, ``MLACommonBaseImpl``): not served yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from types import ModuleType
+from typing import Any
+
+BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
+
+CONTEXT = "MLACommonImpl._compute_prefill_context"
+BUILD = "MLACommonMetadataBuilder.build"
+DEVICE_TENSOR = "BlockTable.get_device_tensor"
+
+
+def _defined(module: ModuleType, path: str) -> Any:
+    owner_name, _, name = path.rpartition(".")
+    owner = getattr(module, owner_name, None)
+    if owner is None:
+        raise LookupError(f"{module.__name__}.{owner_name} not found")
+    if name not in owner.__dict__:
+        raise LookupError(f"{module.__name__}.{path} is not defined there")
+    obj = owner.__dict__[name]
+    return getattr(obj, "__wrapped__", obj)
+
+
+def _params(obj: Any, path: str, *names: str) -> None:
+    params = list(inspect.signature(obj).parameters)
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise LookupError(f"{path} lacks parameters {missing}")
+
+
+def _refers(obj: Any, path: str, *names: str) -> None:
+    code = getattr(obj, "__code__", None)
+    missing = [n for n in names if code is None or n not in code.co_names]
+    if missing:
+        raise LookupError(f"{path} no longer refers to {missing}")
+
+
+def problem(mla_module: ModuleType, block_table_module: ModuleType) -> str | None:
+    """Why these vLLM modules do not have the shape the path patches (None: they do)."""
+    try:
+        context = _defined(mla_module, CONTEXT)
+        _params(context, CONTEXT, "q", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale")
+        _refers(context, CONTEXT, "gather_and_maybe_dequant_cache")
+        build = _defined(mla_module, BUILD)
+        _params(build, BUILD, "common_prefix_len", "common_attn_metadata")
+        _refers(build, BUILD, "chunked_prefill_workspace_size")
+        for name in ("_concat_k_nope_k_pe",):
+            if not callable(getattr(mla_module.MLACommonImpl, name, None)):
+                raise LookupError(f"MLACommonImpl.{name} not found")
+        prefill = getattr(mla_module, "MLACommonPrefillMetadata", None)
+        fields = {f.name for f in dataclasses.fields(prefill)} if dataclasses.is_dataclass(prefill) else set()
+        missing = {"block_table", "chunked_context", "query_start_loc", "q_data_type"} - fields
+        if missing:
+            raise LookupError(f"MLACommonPrefillMetadata lacks fields {sorted(missing)}")
+        device_tensor = _defined(block_table_module, DEVICE_TENSOR)
+        _params(device_tensor, DEVICE_TENSOR, "num_reqs")
+    except (LookupError, TypeError, ValueError) as e:
+        return str(e)
+    return None

@@ -1,0 +1,234 @@
+"""The shared-prefix path inside vLLM's own builder and ``forward_mha``, on the host this vLLM has.
+
+vLLM 0.20.2 (the patch) and 0.25.1 (the bridge): real layer, real metadata builder, the runner's
+real ``BlockTable`` (its host buffer is what the path reads); the context path's CUDA-only gather
+and merge done in torch (``cpu_step_kernels``). A step of four prefill requests, three of them
+sharing two cached blocks (two with private context after them), one with a context of its own,
+is checked against float64 attention over each request's whole sequence, with the path on and
+off; with it on the shared blocks are up-projected once. On a vLLM whose context path has
+another shape (0.29+), nothing is wrapped and one line says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Any
+
+import pytest
+import torch
+from mla_layer_on_cpu import TOLERANCE, build_layer, cpu_step_kernels, make_builder, recording
+
+from mla_prefill_ext import versions
+from mla_prefill_ext.testing import vllm_host as host
+from mla_prefill_ext.testing.reference import reference_attention
+
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+BS = 16
+LORA, ROPE, NOPE, DV = 512, 64, 128, 128
+SHARED = [9, 4]  # the shared prefix's two blocks (32 tokens)
+# (blocks after the shared ones or of its own, context tokens, new tokens); the first three share SHARED.
+REQUESTS = [
+    ([2, 11], 32 + 21, 3),
+    ([7], 32 + 5, 4),
+    ([12], 32, 2),  # the shared prefix and nothing of its own
+    ([1, 5, 6], 40, 3),  # a context of its own
+]
+NUM_BLOCKS = 14
+
+
+def _path() -> Any:
+    return importlib.import_module("mla_prefill_ext.hosts.core.shared_prefix.instrumentor").INSTRUMENTOR
+
+
+@pytest.fixture
+def activated(clean_selection: pytest.MonkeyPatch) -> Any:
+    """The add-on active on this vLLM's host, vLLM's MLA module loaded (the path wraps it then)."""
+    import mla_prefill_ext
+
+    decision = versions.decide()
+    if decision.mode == versions.NONE:
+        pytest.skip(f"vLLM {decision.vllm_version} has no host")
+    mla_prefill_ext.activate()
+    if decision.mode == versions.BRIDGE:
+        from mla_prefill_ext.hosts import vllm_0_23
+
+        importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
+    module = importlib.import_module(MLA_MODULE)
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    return module
+
+
+@pytest.fixture
+def small_groups_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any shared block is worth a segment (this step's 32 shared tokens are far below the guard)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import step
+    from mla_prefill_ext.shared_prefix import FlopCostModel
+
+    monkeypatch.setattr(step, "COST_MODEL", FlopCostModel())
+
+
+def _block_table(rows: list[list[int]]) -> Any:
+    """vLLM's runner block table (on the CPU), holding ``rows``; its device view, as the runner hands it."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    table = BlockTable(BS, 8, 8, 256, False, torch.device("cpu"), BS, 1)
+    for i, row in enumerate(rows):
+        table.add_row(row, i)
+    table.commit_block_table(len(rows))
+    return table.get_device_tensor(len(rows))
+
+
+class Step:
+    """One step's inputs (written into a paged cache) and each request's float64 expectation."""
+
+    def __init__(self, layer: Any) -> None:
+        gen = torch.Generator().manual_seed(11)
+        dtype = torch.bfloat16
+        self.layer = layer
+        self.w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
+        layer.kv_b_proj.weight.data = self.w
+        self.cache = torch.randn(NUM_BLOCKS, BS, LORA + ROPE, generator=gen).to(dtype)
+        self.rows = [(SHARED + own if i < 3 else own) for i, (own, _, _) in enumerate(REQUESTS)]
+        self.ctx = [c for _, c, _ in REQUESTS]
+        self.new = [n for _, _, n in REQUESTS]
+        heads = layer.num_heads
+        self.q = torch.randn(sum(self.new), heads, NOPE + ROPE, generator=gen).to(dtype)
+        self.kv_c = torch.randn(sum(self.new), LORA, generator=gen).to(dtype)
+        self.k_pe = torch.randn(sum(self.new), 1, ROPE, generator=gen).to(dtype)
+        self.device_table = _block_table(self.rows)
+        slots = []
+        for row, c, n in zip(self.rows, self.ctx, self.new, strict=True):
+            slots += [row[p // BS] * BS + p % BS for p in range(c, c + n)]
+        self.slots = torch.tensor(slots, dtype=torch.int64)
+        flat = self.cache.view(-1, LORA + ROPE)
+        flat[self.slots] = torch.cat([self.kv_c, self.k_pe.squeeze(1)], dim=-1)
+
+    def batch(self) -> Any:
+        batch = host.prefill_batch(self.new, self.ctx, self.device_table, BS)
+        batch.slot_mapping = self.slots
+        return batch
+
+    def expected(self) -> torch.Tensor:
+        heads, flat, out, start = self.layer.num_heads, self.cache.view(-1, LORA + ROPE), [], 0
+        for row, c, n in zip(self.rows, self.ctx, self.new, strict=True):
+            latent = flat[[row[p // BS] * BS + p % BS for p in range(c + n)]]
+            kv = torch.nn.functional.linear(latent[:, :LORA], self.w).double().view(c + n, heads, NOPE + DV)
+            k = torch.cat([kv[..., :NOPE], latent[:, None, LORA:].double().expand(-1, heads, ROPE)], dim=-1)
+            o, _ = reference_attention(
+                self.q[start : start + n].double(), k, kv[..., NOPE:], self.layer.scale, causal=True
+            )
+            out.append(o)
+            start += n
+        return torch.cat(out).reshape(sum(self.new), -1)
+
+
+def run_step(cfg: Any, layer: Any, mla_module: Any, workspace: int = 64) -> dict[str, Any]:
+    from vllm.config import set_current_vllm_config
+
+    builder = make_builder(cfg, [layer], None)
+    builder.chunked_prefill_workspace_size = workspace
+    impl = layer.impl
+    impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
+    step = Step(layer)
+    with cpu_step_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
+        metadata = builder.build(0, step.batch())
+    output = torch.full((sum(step.new), layer.num_heads * DV), float("nan"), dtype=torch.bfloat16)
+    with cpu_step_kernels(mla_module), recording(type(layer.kv_b_proj), "forward") as projected:
+        impl.forward_mha(step.q, step.kv_c, step.k_pe, step.cache, metadata, torch.ones(()), output=output)
+    expected = step.expected()
+    assert torch.isfinite(output).all()
+    return {
+        "error": ((output.double() - expected).abs().max() / expected.abs().max()).item(),
+        "shared": getattr(metadata.prefill, "mla_shared_step", None),
+        # kv_b_proj rows: the new tokens once, then each context row vLLM's loop or the path projected.
+        "projected_rows": sum(args[0].shape[0] for _, args, _ in projected),
+        "new_tokens": sum(step.new),
+    }
+
+
+def test_the_path_wraps_vllms_context_code_where_it_has_the_known_shape(activated):
+    path = _path()
+    if versions.installed_vllm_version() in ("0.20.2", "0.25.1"):
+        assert path.instrumented, path.problem
+    elif not path.instrumented:
+        assert path.problem and "vLLM" in path.problem
+
+
+def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
+    activated, model_dirs, small_groups_pay
+):
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
+    result = run_step(cfg, layer, activated)
+    print("shared-prefix path on:", {k: v for k, v in result.items() if k != "shared"})
+    assert result["shared"] is not None and len(result["shared"].plan.segments) == 1
+    assert result["shared"].plan.segments[0].members == (0, 1, 2)
+    context = sum(c for _, c, _ in REQUESTS)
+    assert result["projected_rows"] == result["new_tokens"] + context - 2 * 32  # 32 shared rows once
+    assert result["error"] <= TOLERANCE, result
+
+
+def test_a_prefix_too_small_to_pay_is_left_to_vllm(activated, model_dirs):
+    """With the default guard, 2 x 32 shared rows saved are not worth a segment's launches."""
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    result = run_step(cfg, build_layer(cfg, None), activated)
+    assert result["shared"] is None
+    assert result["projected_rows"] == result["new_tokens"] + sum(c for _, c, _ in REQUESTS)
+    assert result["error"] <= TOLERANCE, result
+
+
+def test_turned_off_the_step_runs_vllms_own_context_path(
+    activated, model_dirs, clean_selection, addon_log, small_groups_pay
+):
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
+    result = run_step(cfg, layer, activated)
+    assert result["shared"] is None
+    assert result["projected_rows"] == result["new_tokens"] + sum(c for _, c, _ in REQUESTS)
+    assert result["error"] <= TOLERANCE, result
+    lines = [r.getMessage() for r in addon_log if "shared-prefix" in r.getMessage()]
+    assert any("off (turned off by MLA_PREFILL_SHARED_PREFIX)" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("fault", ["other group's prefix", "segment LSE left out"])
+def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_groups_pay, fault):
+    """The check above fails the path when a request attends another prefix or the segment's LSE is dropped."""
+    from mla_prefill_ext.shared_prefix import execute
+
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
+    original = execute.compute_context
+
+    def wrong(q, plan, table, step_backend, segment_backend, layer_ctx):
+        if fault == "other group's prefix":
+            # The segment gathers the private context's first blocks instead of the shared ones.
+            plan = dataclasses.replace(plan, segment_block_table=torch.tensor([[1, 5]], dtype=torch.int32))
+            return original(q, plan, table, step_backend, segment_backend, layer_ctx)
+        out, lse = original(q, plan, table, step_backend, segment_backend, layer_ctx)
+        # Keep only the private part, as if the segment's LSE never reached the merge.
+        no_segment = dataclasses.replace(plan, segments=())
+        return original(q, no_segment, table, step_backend, None, layer_ctx)
+
+    layer_module = importlib.import_module("mla_prefill_ext.hosts.core.shared_prefix.layer")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layer_module, "compute_context", wrong)
+        result = run_step(cfg, layer, activated)
+    print(f"{fault}: error {result['error']:.3g} (bound {TOLERANCE:.3g})")
+    assert result["shared"] is not None
+    assert result["error"] > TOLERANCE, result
