@@ -205,7 +205,7 @@ def test_turned_off_the_step_runs_vllms_own_context_path(
 
 @pytest.mark.parametrize("fault", ["other group's prefix", "segment LSE left out"])
 def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_groups_pay, fault):
-    """The check above fails the path when a request attends another prefix or the segment's LSE is dropped."""
+    """The check above fails the path if a request attends another prefix or the segment's LSE is dropped."""
     from mla_prefill_ext.shared_prefix import execute
 
     path = _path()
@@ -220,7 +220,6 @@ def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_g
             # The segment gathers the private context's first blocks instead of the shared ones.
             plan = dataclasses.replace(plan, segment_block_table=torch.tensor([[1, 5]], dtype=torch.int32))
             return original(q, plan, table, step_backend, segment_backend, layer_ctx)
-        out, lse = original(q, plan, table, step_backend, segment_backend, layer_ctx)
         # Keep only the private part, as if the segment's LSE never reached the merge.
         no_segment = dataclasses.replace(plan, segments=())
         return original(q, no_segment, table, step_backend, None, layer_ctx)
