@@ -15,7 +15,9 @@ import dataclasses
 import importlib
 import logging
 from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from mla_layer_on_cpu import TOLERANCE, build_layer, cpu_step_kernels, make_builder, recording
@@ -231,3 +233,111 @@ def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_g
     print(f"{fault}: error {result['error']:.3g} (bound {TOLERANCE:.3g})")
     assert result["shared"] is not None
     assert result["error"] > TOLERANCE, result
+
+
+# --- Routing short extends -------------------------------------------------------------------------
+
+
+def _input_batch(requests: list[tuple[list[int], int, int]]) -> Any:
+    """vLLM's runner ``InputBatch`` (on the CPU) holding ``(block ids, computed tokens, prompt tokens)``."""
+    import inspect
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    kwargs = dict(
+        max_num_reqs=32,
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        device=torch.device("cpu"),
+        vocab_size=1000,
+        block_sizes=[BS],
+        kernel_block_sizes=[BS],
+    )
+    if "pin_memory" in inspect.signature(InputBatch.__init__).parameters:
+        kwargs["pin_memory"] = False
+    from vllm.v1.worker import gpu_input_batch
+
+    # Pinned host memory needs a CUDA driver; vLLM 0.25+ reads whether to pin from the platform at import.
+    with mock.patch.object(gpu_input_batch, "PIN_MEMORY", False, create=True):
+        batch = InputBatch(**kwargs)
+    for i, (blocks, computed, prompt) in enumerate(requests):
+        batch.add_request(
+            CachedRequestState(
+                req_id=f"r{i}",
+                prompt_token_ids=list(range(prompt)),
+                mm_features=[],
+                sampling_params=SamplingParams(max_tokens=1),
+                generator=None,
+                block_ids=(blocks,),
+                num_computed_tokens=computed,
+                output_token_ids=[],
+            )
+        )
+    return batch
+
+
+def _short_extends(prefix_blocks: int, new: int, count: int, shared: bool) -> tuple[Any, dict[str, int]]:
+    requests, scheduled = [], {}
+    for i in range(count):
+        first = 1 if shared else 1 + i * (prefix_blocks + 4)
+        prefix = list(range(first, first + prefix_blocks))
+        own = list(range(1000 + 4 * i, 1004 + 4 * i))
+        requests.append((prefix + own, prefix_blocks * BS, prefix_blocks * BS + new))
+        scheduled[f"r{i}"] = new
+    return _input_batch(requests), scheduled
+
+
+@pytest.mark.parametrize("new", [32, 128, 512])
+def test_short_extends_sharing_a_long_prefix_are_routed_to_the_prefill_path(activated, new):
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    batch, scheduled = _short_extends(prefix_blocks=256, new=new, count=16, shared=True)  # 4,096 shared
+    assert routing.step_threshold(batch, scheduled, 512) == 1
+
+
+@pytest.mark.parametrize("new", [32, 512])
+def test_short_extends_with_private_contexts_stay_where_vllm_puts_them(activated, new):
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    batch, scheduled = _short_extends(prefix_blocks=256, new=new, count=16, shared=False)
+    assert routing.step_threshold(batch, scheduled, 512) is None
+
+
+def test_a_few_short_queries_over_a_small_shared_prefix_stay_on_the_decode_path(activated):
+    """Two requests, 8 new tokens each over 2 shared blocks: absorbed attention is cheaper there."""
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    batch, scheduled = _short_extends(prefix_blocks=2, new=8, count=2, shared=True)
+    absorbed, prefill = routing.route_cost(np.array([8, 8]), np.array([32, 32]), np.array([32, 32]), [32])
+    assert prefill > routing.ROUTE_BELOW * absorbed
+    assert routing.step_threshold(batch, scheduled, 512) is None
+
+
+def test_the_builder_splits_a_routed_step_at_the_lowered_threshold(activated, model_dirs, small_groups_pay):
+    """vLLM's own split in the real builder: short extends are decodes at 512 and prefills when routed."""
+    from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
+    builder = make_builder(cfg, [layer], None)
+    builder.reorder_batch_threshold = 512  # FLASH_ATTN_MLA's, on a GPU
+    step = Step(layer)
+    split = {}
+    for lowered in (None, 1):
+        routing._LOCAL.threshold = lowered
+        try:
+            with cpu_step_kernels(activated), host.gpu_view(None), set_current_vllm_config(cfg):
+                metadata = builder.build(0, step.batch())
+        finally:
+            routing._LOCAL.threshold = None
+        split[lowered] = (metadata.num_decodes, metadata.num_prefills)
+        assert builder.reorder_batch_threshold == 512
+    # At 512 vLLM counts leading short extends as decodes (here 1: this builder wants uniform
+    # decode lengths and the next request has another); routed, every one is a prefill.
+    assert split[None][0] >= 1 and split[1] == (0, 4), split

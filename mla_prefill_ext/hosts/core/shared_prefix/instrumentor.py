@@ -2,7 +2,9 @@
 
 Three wrappers: the MLA metadata builder's ``build`` (:func:`.step.after_build`), the MLA impl's
 ``_compute_prefill_context`` (:func:`.layer.compute_prefill_context`) and the runner block
-table's ``get_device_tensor`` (:func:`.block_tables.remember_host_twin`). Applied when vLLM's MLA
+table's ``get_device_tensor`` (:func:`.block_tables.remember_host_twin`); and, once vLLM's GPU
+model runner module is imported, its ``_may_reorder_batch`` (:func:`.routing.may_reorder_batch`:
+short extends that share a prefix routed to the prefill path). Applied when vLLM's MLA
 module is imported, after the host's own patch (vLLM 0.20) or bridge (0.23+), and only when
 :mod:`.targets` finds the shape they were written for; otherwise one INFO line says why and
 vLLM's context path runs as it always does.
@@ -15,16 +17,19 @@ import logging
 import threading
 from types import ModuleType
 
+import wrapt
+
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Wrappers
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, step, targets
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, routing, step, targets
 
 
 class SharedPrefixInstrumentor:
     def __init__(self) -> None:
         self.wrappers = Wrappers()
         self.instrumented = False
+        self.routing = False  # short extends routed (the runner's reorder wrapped)
         self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
         self._lock = threading.RLock()
 
@@ -61,7 +66,29 @@ class SharedPrefixInstrumentor:
                 return False
             self.problem = None
             self.instrumented = True
-            return True
+        # Routing short extends is an addition the path works without: its own target, its own line.
+        wrapt.register_post_import_hook(self._instrument_runner, targets.RUNNER_MODULE)
+        return True
+
+    def _instrument_runner(self, runner_module: ModuleType) -> None:
+        with self._lock:
+            if not self.instrumented or self.routing:
+                return
+            problem = targets.routing_problem(runner_module)
+            if problem is None:
+                problem = self.wrappers.wrap_all(
+                    runner_module, [(targets.REORDER, routing.may_reorder_batch)]
+                )
+            if problem is not None:
+                log_once(
+                    logging.INFO,
+                    ("shared-prefix-routing", problem),
+                    "MLA shared-prefix prefill (mla-prefill-ext): short extends stay on vLLM's decode path "
+                    "(%s).",
+                    problem,
+                )
+                return
+            self.routing = True
 
     def uninstrument(self) -> None:
         """Remove every wrapper (idempotent)."""
@@ -69,6 +96,7 @@ class SharedPrefixInstrumentor:
             self.wrappers.unwrap_all()
             block_tables.forget()
             self.instrumented = False
+            self.routing = False
             self.problem = None
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, switch
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, routing, switch
 from mla_prefill_ext.shared_prefix import (
     ContextPlan,
     FlopCostModel,
@@ -90,7 +90,7 @@ def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
 
 def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
-    metadata = wrapped(*args, **kwargs)
+    metadata = routing.build_with_step_threshold(wrapped, instance, args, kwargs)
     prefill = getattr(metadata, "prefill", None)
     if prefill is None or getattr(prefill, "chunked_context", None) is None:
         return metadata
@@ -140,6 +140,7 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
             ", ".join(refusing),
         )
         return
+    routing.mark_usable()  # short extends may now be routed here (routing.py)
     start, end = metadata.num_decodes, common.num_reqs
     loc = common.query_start_loc_cpu[start : end + 1]
     loc = loc - loc[0]

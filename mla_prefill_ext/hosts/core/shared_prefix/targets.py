@@ -17,10 +17,12 @@ from types import ModuleType
 from typing import Any
 
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 CONTEXT = "MLACommonImpl._compute_prefill_context"
 BUILD = "MLACommonMetadataBuilder.build"
 DEVICE_TENSOR = "BlockTable.get_device_tensor"
+REORDER = "GPUModelRunner._may_reorder_batch"
 
 
 def _defined(module: ModuleType, path: str) -> Any:
@@ -67,6 +69,17 @@ def problem(mla_module: ModuleType, block_table_module: ModuleType) -> str | Non
             raise LookupError(f"MLACommonPrefillMetadata lacks fields {sorted(missing)}")
         device_tensor = _defined(block_table_module, DEVICE_TENSOR)
         _params(device_tensor, DEVICE_TENSOR, "num_reqs")
+    except (LookupError, TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def routing_problem(runner_module: ModuleType) -> str | None:
+    """Why short extends cannot be routed through this runner (None: they can)."""
+    try:
+        reorder = _defined(runner_module, REORDER)
+        _params(reorder, REORDER, "scheduler_output")
+        _refers(reorder, REORDER, "reorder_batch_to_split_decodes_and_prefills", "reorder_batch_threshold")
     except (LookupError, TypeError, ValueError) as e:
         return str(e)
     return None

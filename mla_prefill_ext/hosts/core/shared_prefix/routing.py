@@ -1,0 +1,131 @@
+"""Short extends that share a long cached prefix, routed to the prefill path when that is cheaper.
+
+vLLM serves a request with cached context and at most ``reorder_batch_threshold`` new tokens
+(512 for FLASH_ATTN_MLA) as a decode: absorbed attention over the latent cache, about 3.4x the
+FLOPs of up-projected attention per query, and nothing shared. For a step whose short extends
+share cached blocks, the prefill path with the shared segments (:mod:`.step`) does the prefix's
+up-projection once and attends with 320-wide heads instead of 1,088. Per step, before vLLM
+reorders the batch, :func:`step_threshold` compares the two by FLOPs over all of the step's
+short extends (those not in a group pay their own up-projection on the prefill path); when the
+prefill side costs less than :data:`ROUTE_BELOW` of the absorbed side, the step's decode
+threshold is lowered to 1 for the reorder and for the builders' split, so those requests become
+prefills. Everything else stays where vLLM puts it: true decodes (one new token), long extends,
+new prompts. Not with speculative decoding (its decodes have several tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.shared_prefix import find_shared_prefixes
+
+ROUTE_BELOW = 0.8
+"""Route when the prefill side's FLOPs are below this share of the absorbed side's (re-chunking,
+extra launches and host work are not in the FLOP count)."""
+
+# FLOPs per (query, context token) and per up-projected context token, per head, at R1's dims.
+ABSORBED_PER_QK = 2 * (512 + 64 + 512)  # scores over 576 latent dims, values over 512
+PREFILL_PER_QK = 2 * (192 + 128)
+UP_PROJECTION_PER_TOKEN = 2 * 512 * (128 + 128)
+
+_LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
+_USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
+
+
+def mark_usable() -> None:
+    _USABLE.set()
+
+
+def current_threshold() -> int | None:
+    return getattr(_LOCAL, "threshold", None)
+
+
+def route_cost(
+    q: np.ndarray, ctx: np.ndarray, shared: np.ndarray, group_tokens: list[int]
+) -> tuple[float, float]:
+    """(absorbed, prefill) FLOPs per head of the short extends ``q`` new over ``ctx`` cached tokens.
+
+    ``shared[i]``: the tokens of request ``i``'s context its group up-projects once
+    (``group_tokens``, one entry per group).
+    """
+    attention = float((q * ctx).sum())
+    absorbed = ABSORBED_PER_QK * attention
+    projected = float((ctx - shared).sum()) + float(sum(group_tokens))
+    prefill = PREFILL_PER_QK * attention + UP_PROJECTION_PER_TOKEN * projected
+    return absorbed, prefill
+
+
+def step_threshold(input_batch: Any, num_scheduled_tokens: dict[str, int], threshold: int) -> int | None:
+    """1 when this step's short extends are cheaper as shared prefills; None: vLLM's threshold.
+
+    ``input_batch``: the runner's ``InputBatch`` (host arrays only); ``num_scheduled_tokens``: the
+    scheduler output's, by request id.
+    """
+    batch = input_batch
+    n = batch.num_reqs
+    if n < 2:
+        return None
+    scheduled = np.fromiter((num_scheduled_tokens[r] for r in batch.req_ids[:n]), dtype=np.int64, count=n)
+    computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+    prompt = batch.num_prompt_tokens[:n].astype(np.int64)
+    short = (computed > 0) & (scheduled > 1) & (scheduled <= threshold) & (computed < prompt)
+    if short.sum() < 2:
+        return None
+    table = batch.block_table[0]
+    rows = table.block_table.np[:n][short]
+    ctx, q = computed[short], scheduled[short]
+    groups = find_shared_prefixes(rows, ctx, table.block_size, q)
+    if not groups:
+        return None
+    shared = np.zeros_like(ctx)
+    tokens = []
+    for g in groups:
+        t = g.num_blocks * table.block_size
+        shared[list(g.members)] = t
+        tokens.append(t)
+    absorbed, prefill = route_cost(q, ctx, shared, tokens)
+    return 1 if prefill < ROUTE_BELOW * absorbed else None
+
+
+def _routing_on(runner: Any) -> bool:
+    on = runner.__dict__.get("_mla_shared_routing")
+    if on is None:
+        config = runner.vllm_config
+        on = switch.decide(config).on and getattr(config, "speculative_config", None) is None
+        runner._mla_shared_routing = on
+    return on and _USABLE.is_set()
+
+
+def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``GPUModelRunner._may_reorder_batch(scheduler_output)``: this step's threshold decided first."""
+    _LOCAL.threshold = None
+    threshold = instance.reorder_batch_threshold
+    if threshold is None or threshold <= 1 or not _routing_on(instance):
+        return wrapped(*args, **kwargs)
+    scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
+    lowered = step_threshold(instance.input_batch, scheduler_output.num_scheduled_tokens, threshold)
+    if lowered is None:
+        return wrapped(*args, **kwargs)
+    _LOCAL.threshold = lowered
+    instance.reorder_batch_threshold = lowered
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance.reorder_batch_threshold = threshold
+
+
+def build_with_step_threshold(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """The MLA builder's ``build``: split decodes from prefills at this step's threshold."""
+    lowered = getattr(_LOCAL, "threshold", None)
+    threshold = getattr(instance, "reorder_batch_threshold", None)
+    if lowered is None or threshold is None or threshold <= lowered:
+        return wrapped(*args, **kwargs)
+    instance.reorder_batch_threshold = lowered
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance.reorder_batch_threshold = threshold
