@@ -32,11 +32,10 @@ faster): median [min-max]. JSON (``--json``, rewritten after every repetition): 
 environment (vLLM, torch, GPU), the options, each engine's start-up report, every raw time and
 cached/output token count, then the table; the Markdown table is printed.
 
-Time on one H200 (estimate): engine start 60-90 s each compiled (3 sides: 3-4.5 min), then about
-25 s per repetition of the default points for three sides (6 repetitions with the untimed one):
-about 6-7 min in all. ``--stop-after S``: no repetition starts that would end more than S seconds
-after the run began, judged by the last one's time (at least one timed repetition runs; the table
-then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scenarios shared
+Time: one engine start-up per side (each compiles unless ``--eager``), then ``--reps`` + 1 repetitions of
+every point on every side. ``--stop-after S``: no repetition starts that would end more than S
+seconds after the run began, judged by the last one's time (at least one timed repetition runs; the
+table then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scenarios shared
 --prefix-lens 32768 --points 16x128,16x512 --reps 3``.
 
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
