@@ -50,6 +50,7 @@ from .common import ROOT
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
 SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
+SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"  # the shared-prefix path: "0" turns it off
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -96,16 +97,48 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         "patched": any(h is not None and h() for h in hosts),
         "pid": os.getpid(),
         "package": getattr(package, "__file__", None),
+        # The shared-prefix path's switch as this worker sees it (None: unset, the default).
+        "shared_prefix_env": os.environ.get(SHARED_PREFIX_ENV),
     }
 
 
-def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def engine_kwargs(args: argparse.Namespace, **llm_options: Any) -> dict[str, Any]:
+    """``LLM``'s arguments for one side (the same for every side; ``llm_options`` add to them)."""
+    return {
+        "model": str(args.model),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_mem,
+        "seed": 0,
+        "enforce_eager": args.eager,
+        "moe_backend": "triton",
+        **llm_options,
+    }
+
+
+def start_engine(
+    side: str,
+    args: argparse.Namespace,
+    extra_env: dict[str, str] | None = None,
+    name: str | None = None,
+    **llm_options: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """Start one side's engine (``stock``, ``NAME`` or ``NAME@LABEL``) and check what owns its prefill.
+
+    ``extra_env``: more of the add-on's switches for this engine's processes only; ``name``: the
+    side as the run calls it (default ``side``); ``llm_options``: more arguments for ``LLM``.
+    """
     from vllm import LLM
 
+    name = name or side
+    extra_env = extra_env or {}
     backend, _, label = side.partition("@")
     tree = args.trees[label] if label else None
-    saved = {k: os.environ.pop(k, None) for k in (*SIDE_ENV, "PYTHONPATH")}
+    saved = {k: os.environ.pop(k, None) for k in (*SIDE_ENV, *extra_env, "PYTHONPATH")}
     os.environ.update(side_env(backend))
+    os.environ.update(extra_env)
     path = os.pathsep.join(filter(None, [str(tree) if tree else None, saved["PYTHONPATH"]]))
     if path:
         os.environ["PYTHONPATH"] = path
@@ -113,17 +146,7 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
         sys.path.insert(0, str(tree))
     try:
         t0 = time.perf_counter()
-        llm = LLM(
-            model=str(args.model),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_mem,
-            seed=0,
-            enforce_eager=args.eager,
-            moe_backend="triton",
-        )
+        llm = LLM(**engine_kwargs(args, **llm_options))
         ready_s = time.perf_counter() - t0
     finally:
         if tree is not None:
@@ -148,9 +171,22 @@ def start_engine(side: str, args: argparse.Namespace) -> tuple[Any, dict[str, An
             if tree is not None:
                 ok = ok and Path(report["package"]).parent == tree / "mla_prefill_ext"
         if not ok:
-            raise SystemExit(f"side {side}: its engine reports {report}: not the side it claims to be")
-    print(f"[{time.strftime('%H:%M:%S')}] {side} ready in {ready_s:.0f} s: {json.dumps(info)}", flush=True)
+            raise SystemExit(f"side {name}: its engine reports {report}: not the side it claims to be")
+    print(f"[{time.strftime('%H:%M:%S')}] {name} ready in {ready_s:.0f} s: {json.dumps(info)}", flush=True)
     return llm, info
+
+
+def prepare_driver(extra_cleared: tuple[str, ...] = ()) -> None:
+    """The driver's own environment: engine cores spawned (each reads the environment it is started
+    with), functions allowed through collective_rpc, offline, and the add-on disabled here (no
+    stamp on any engine's configuration) with its switches cleared (each side sets its own)."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # each engine core reads its own environment
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["MLA_PREFILL_EXT_DISABLE"] = "1"  # the driver: no stamp, no patch
+    for k in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES", *extra_cleared):
+        os.environ.pop(k, None)
 
 
 def prompts(length: int, batch: int, seed: int, vocab: int) -> list[list[int]]:
@@ -239,14 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = parse_grid(args.grid)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
 
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # each engine core reads its own environment
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["MLA_PREFILL_EXT_DISABLE"] = "1"  # the driver: no stamp, no patch
-    for k in ("MLA_PREFILL_BACKEND", "MLA_PREFILL_BACKEND_OVERRIDES"):
-        os.environ.pop(k, None)
-
+    prepare_driver()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

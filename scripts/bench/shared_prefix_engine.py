@@ -1,0 +1,252 @@
+"""Engine time of requests sharing a cached prefix: stock vLLM vs the add-on, shared-prefix path on and off.
+
+    python -m scripts.bench shared_prefix_engine [--sides stock,FLASH_ATTN,FLASH_ATTN:noshare]
+        [--scenarios shared,private,fresh,decode] [--prefix-lens 32768,8192]
+        [--points 16x32,16x128,16x512,8x1024,4x2048] [--reps 5] [--eager] [--gpu-mem 0.28]
+        [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
+
+Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
+checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
+(``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
+``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``). Each engine's workers report what
+owns their MLA prefill and the shared-prefix switch they see; the run stops if a side is not what it
+claims to be. Prefix caching on, the 61-layer R1 slice (``scripts/bench/models/r1_tp8_slice``, one GPU
+of TP=8, dummy weights), torch.compile + CUDA graphs unless ``--eager``.
+
+Scenarios (points BxN: B requests, N fresh prompt tokens each):
+  shared   one cached prefix of P tokens (each of ``--prefix-lens``) shared by B requests, ``--points``
+  private  B requests, each with its own cached prefix of ``--private-prefix-len`` tokens,
+           ``--private-points``
+  fresh    the ``--points`` prompts with no cached prefix at all (N fresh tokens only)
+  decode   B requests sharing the ``--decode-prefix-len`` prefix, ``--decode-points``, each generating
+           ``--decode-tokens`` tokens (the whole generate timed; output tokens/s reported)
+Before a point's timed runs, its prefixes are sent to every engine untimed (cached after the first
+time); then every side gets the same B prompts, prefix + N random tokens new for every request and
+every repetition, so only the prefixes hit the cache (each run's cached-token count is recorded and
+checked). Timed: ``LLM.generate`` with ``max_tokens=1`` (decode: ``--decode-tokens``, ``ignore_eos``).
+
+Taking turns: every repetition runs every point on every side, in an order of sides rotating from
+repetition to repetition; one untimed repetition first. Per point: each side's median seconds and
+each side's paired ratio to stock (stock seconds / side seconds of the same repetition, above 1 =
+faster): median [min-max]. JSON (``--json``, rewritten after every repetition): the command, the
+environment (vLLM, torch, GPU), the options, each engine's start-up report, every raw time and
+cached/output token count, then the table; the Markdown table is printed.
+
+Time: one engine start-up per side (each compiles unless ``--eager``), then ``--reps`` + 1 repetitions of
+every point on every side. ``--stop-after S``: no repetition starts that would end more than S
+seconds after the run began, judged by the last one's time (at least one timed repetition runs; the
+table then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scenarios shared
+--prefix-lens 32768 --points 16x128,16x512 --reps 3``.
+
+Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
+backend, ``examples/counting_backend.py``, a side of its own, not one of these).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import common, engine
+from .shared_prefix_table import Raw, cache_notes, markdown, tabulate
+from .shared_prefix_workload import (
+    SHARED_PREFIX_ENV,
+    Point,
+    SideSpec,
+    build_points,
+    check_fits,
+    parse_ints,
+    parse_points,
+    parse_sides,
+    timed_prompts,
+    warm_prompts,
+)
+
+DEFAULT_SIDES = "stock,FLASH_ATTN,FLASH_ATTN:noshare"
+DEFAULT_POINTS = "16x32,16x128,16x512,8x1024,4x2048"
+
+# What a timed run reports: seconds, prompt tokens the prefix cache served (None: vLLM did not say),
+# output tokens.
+Timed = tuple[float, int | None, int]
+
+
+def take_turns(
+    points: Sequence[Point],
+    sides: Sequence[str],
+    reps: int,
+    vocab: int,
+    warm: Callable[[str, list[list[int]]], None],
+    timed: Callable[[str, list[list[int]], int], Timed],
+    after_repetition: Callable[[int, list[str], dict[str, Raw]], bool] = lambda rep, order, raw: True,
+) -> dict[str, Raw]:
+    """Run the repetitions: repetition 0 untimed, then ``reps`` timed; in each, every point, its
+    prefixes warmed on every side, then the same prompts timed on every side in a rotated order.
+
+    Returns the raw results, ``seconds``, ``cached_tokens`` and ``output_tokens``: each side -> point
+    key -> one value per timed repetition. ``after_repetition(rep, order, raw)`` is called after each
+    repetition with the results so far; False stops the run there.
+    """
+    seconds: Raw = {s: {} for s in sides}
+    cached: Raw = {s: {} for s in sides}
+    out_tokens: Raw = {s: {} for s in sides}
+    raw = {"seconds": seconds, "cached_tokens": cached, "output_tokens": out_tokens}
+    for rep in range(reps + 1):
+        order = [*sides[rep % len(sides) :], *sides[: rep % len(sides)]]
+        for point in points:
+            prefixes = warm_prompts(point, vocab)
+            if prefixes:
+                for side in sides:
+                    warm(side, prefixes)
+            prompts = timed_prompts(point, rep, vocab)
+            for side in order:
+                took, hit, produced = timed(side, prompts, point.max_tokens)
+                if rep:  # repetition 0 warms every shape up
+                    seconds[side].setdefault(point.key, []).append(took)
+                    cached[side].setdefault(point.key, []).append(hit)
+                    out_tokens[side].setdefault(point.key, []).append(produced)
+        if not after_repetition(rep, order, raw):
+            break
+    return raw
+
+
+def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) -> bool:
+    """Whether the next repetition starts: always after the untimed one (a run times at least one),
+    then while it would end within ``stop_after`` seconds of the start, were it as long as the last."""
+    return rep == 0 or stop_after is None or elapsed + last <= stop_after
+
+
+def check_switch(side: SideSpec, info: dict[str, Any]) -> None:
+    """Every worker of the side's engine sees the shared-prefix switch the side sets (or none)."""
+    wanted = side.extra_env.get(SHARED_PREFIX_ENV)
+    for report in info["workers"]:
+        if report.get("shared_prefix_env") != wanted:
+            raise SystemExit(
+                f"side {side.label}: a worker sees {SHARED_PREFIX_ENV}={report.get('shared_prefix_env')!r}, "
+                f"the side sets {wanted!r}"
+            )
+
+
+def make_parser():
+    parser = common.parser(__doc__)
+    parser.add_argument("--model", type=Path, default=engine.MODEL_DIR, help="model folder (config.json)")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, NAME, NAME:noshare (comma-separated)")
+    parser.add_argument("--baseline", default="stock", help="the side the ratios divide by")
+    parser.add_argument(
+        "--scenarios", default="shared,private,fresh,decode", help="which of shared,private,fresh,decode"
+    )
+    parser.add_argument("--prefix-lens", default="32768,8192", help="shared: prefix lengths P")
+    parser.add_argument("--points", default=DEFAULT_POINTS, help="shared and fresh: BxN points")
+    parser.add_argument("--private-prefix-len", type=int, default=8192, help="private: each request's P")
+    parser.add_argument("--private-points", default="16x32,16x128,16x512", help="private: BxN points")
+    parser.add_argument("--decode-prefix-len", type=int, default=32768, help="decode: the shared P")
+    parser.add_argument("--decode-points", default="16x32", help="decode: BxN points")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="decode: tokens generated per request")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (one more untimed first)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=40960, help="at least P + N (+ decode tokens)")
+    parser.add_argument("--gpu-mem", type=float, default=0.28, help="gpu_memory_utilization per engine")
+    parser.add_argument(
+        "--stop-after",
+        type=float,
+        help="seconds from the start: no repetition begins that would end later (by the last one's time)",
+    )
+    parser.add_argument("--json", help="write the raw results and the table here")
+    return parser
+
+
+def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:
+    """The run's sides and points from its flags (a ValueError says what is wrong)."""
+    sides = parse_sides(args.sides)
+    points = build_points(
+        [s.strip() for s in args.scenarios.split(",")],
+        parse_ints(args.prefix_lens),
+        parse_points(args.points),
+        args.private_prefix_len,
+        parse_points(args.private_points),
+        args.decode_prefix_len,
+        parse_points(args.decode_points),
+        args.decode_tokens,
+    )
+    check_fits(points, args.max_model_len)
+    if args.baseline not in [s.label for s in sides]:
+        raise ValueError(f"--baseline {args.baseline!r} is not one of the sides {args.sides!r}")
+    return sides, points
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        sides, points = plan(args)
+    except ValueError as e:
+        parser.error(str(e))
+    labels = [s.label for s in sides]
+    args.trees = {}  # engine.start_engine's other code trees: none here
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+
+    engine.prepare_driver(extra_cleared=(SHARED_PREFIX_ENV,))
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engines, info = {}, {}
+    for side in sides:
+        engines[side.label], info[side.label] = engine.start_engine(
+            side.backend, args, extra_env=side.extra_env, name=side.label, enable_prefix_caching=True
+        )
+        check_switch(side, info[side.label])
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+
+    def warm(side: str, prompts: list[list[int]]) -> None:
+        engines[side].generate([TokensPrompt(prompt_token_ids=p) for p in prompts], one, use_tqdm=False)
+
+    def timed(side: str, prompts: list[list[int]], max_tokens: int) -> Timed:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        t = time.perf_counter()
+        outputs = engines[side].generate(batch, params, use_tqdm=False)
+        took = time.perf_counter() - t
+        counts = [o.num_cached_tokens for o in outputs]
+        hit = None if None in counts else sum(counts)
+        return took, hit, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    header = common.record(
+        args={**vars(args), "model": str(args.model), "trees": {}},
+        sides=[{"label": s.label, "backend": s.backend, "env": s.extra_env} for s in sides],
+        points=[p.key for p in points],
+        engines=info,
+    )
+
+    ends = [time.perf_counter()]  # when each repetition ended (the first: when the engines were ready)
+
+    def after_repetition(rep: int, order: list[str], raw: dict[str, Raw]) -> bool:
+        ends.append(time.perf_counter())
+        elapsed = ends[-1] - started
+        print(
+            f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order}) in "
+            f"{ends[-1] - ends[-2]:.0f} s, {elapsed:.0f} s since the start",
+            flush=True,
+        )
+        # Raw, before any arithmetic on it, after every repetition: a run cut short keeps what it timed.
+        common.write_json(args.json, {**header, **raw, "timed_repetitions": rep})
+        return keep_going(rep, elapsed, ends[-1] - ends[-2], args.stop_after)
+
+    raw = take_turns(points, labels, args.reps, vocab, warm, timed, after_repetition)
+    table = tabulate(
+        points, labels, args.baseline, raw["seconds"], raw["output_tokens"], raw["cached_tokens"]
+    )
+    lines = markdown(table, labels, args.baseline)
+    notes = cache_notes(table)
+    print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
+    common.write_json(args.json, {**header, **raw, "table": table, "markdown": lines, "notes": notes})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The shared-prefix engine benchmark's table: per point, each side's seconds and its paired ratio to stock.
+
+Pure (no vLLM, no GPU). Repetition i of every side ran the same prompts back to back, so
+``baseline_i / side_i`` is a paired ratio (above 1: the side is faster); a side's ratio is the
+median of those, with their min and max.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from .shared_prefix_workload import Point
+
+Raw = dict[str, dict[str, list[Any]]]  # side -> point key -> one value per timed repetition
+
+
+def paired_ratio(baseline: Sequence[float], side: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max of ``baseline[i] / side[i]`` (repetition i of both ran the same prompts)."""
+    if not baseline:
+        raise ValueError("no repetitions to pair")
+    ratios = [b / s for b, s in zip(baseline, side, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "all": ratios}
+
+
+def tabulate(
+    points: Sequence[Point],
+    sides: Sequence[str],
+    baseline: str | None,
+    seconds: Raw,
+    out_tokens: Raw,
+    cached: Raw,
+) -> list[dict[str, Any]]:
+    """One row per point with timed repetitions: each side's seconds (median, min, max), output tokens/s
+    where a point generates more than one token, whether the prefix cache served what it should, and
+    each other side's paired ratio to ``baseline`` (None or absent: no ratios)."""
+    table = []
+    for point in points:
+        if not seconds[sides[0]].get(point.key):
+            continue  # not reached (the run stopped first)
+        row: dict[str, Any] = {
+            "key": point.key,
+            "scenario": point.scenario,
+            "prefix_len": point.prefix_len,
+            "batch": point.batch,
+            "new_tokens": point.new_tokens,
+            "max_tokens": point.max_tokens,
+            "reps": len(seconds[sides[0]][point.key]),
+            "sides": {},
+            "ratios": {},
+        }
+        for side in sides:
+            times = seconds[side][point.key]
+            cell: dict[str, Any] = {
+                "median_s": statistics.median(times),
+                "min_s": min(times),
+                "max_s": max(times),
+            }
+            if point.max_tokens > 1:
+                rates = [n / t for n, t in zip(out_tokens[side][point.key], times, strict=True)]
+                cell["output_tokens_per_s"] = statistics.median(rates)
+            hits = cached[side][point.key]
+            cell["cached_tokens"] = sorted(set(hits), key=lambda v: (v is None, v))
+            cell["cache_as_planned"] = None if None in hits else all(h == point.cached_tokens() for h in hits)
+            row["sides"][side] = cell
+            if baseline in seconds and side != baseline:
+                row["ratios"][side] = paired_ratio(seconds[baseline][point.key], times)
+        table.append(row)
+    return table
+
+
+def _seconds_cell(cell: dict[str, Any]) -> str:
+    text = f"{cell['median_s']:.3f}"
+    if "output_tokens_per_s" in cell:
+        text += f" ({cell['output_tokens_per_s']:.0f} out tok/s)"
+    return text
+
+
+def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: str | None) -> list[str]:
+    """The table in Markdown: seconds are medians; a ratio is ``median [min-max]`` of the paired ratios."""
+    others = [s for s in sides if s != baseline] if baseline in sides else []
+    columns = ["scenario", "P", "B", "N", *(f"{s} s" for s in sides), *(f"{s} x {baseline}" for s in others)]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for row in table:
+        n = f"{row['new_tokens']}" + (f" (+{row['max_tokens']} out)" if row["max_tokens"] > 1 else "")
+        cells = [row["scenario"], str(row["prefix_len"]), str(row["batch"]), n]
+        cells += [_seconds_cell(row["sides"][s]) for s in sides]
+        for s in others:
+            r = row["ratios"][s]
+            cells.append(f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
+    """A line for each side and point where the prefix cache did not serve exactly the cached prefixes
+    (then that row does not measure what it says)."""
+    notes = []
+    for row in table:
+        expected = row["batch"] * row["prefix_len"]
+        for side, cell in row["sides"].items():
+            if cell["cache_as_planned"] is False:
+                notes.append(
+                    f"{side}, {row['key']}: the prefix cache served {cell['cached_tokens']} tokens "
+                    f"per run, not {expected}"
+                )
+            elif cell["cache_as_planned"] is None:
+                notes.append(f"{side}, {row['key']}: vLLM reported no cached-token counts")
+    return notes

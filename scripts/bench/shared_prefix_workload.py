@@ -1,0 +1,176 @@
+"""The shared-prefix engine benchmark's load: its sides, its points and the prompts of each repetition.
+
+Pure (no vLLM, no GPU): shared_prefix_engine runs it; tests/bench checks it on any machine.
+
+A point is one scenario at one size: ``shared`` (B requests, one cached prefix of P tokens, N fresh
+tokens each), ``private`` (B requests, each its own cached prefix of P tokens, N fresh each),
+``fresh`` (B requests of N fresh tokens, nothing cached) and ``decode`` (as ``shared``, generating
+``max_tokens`` tokens each). The cached prefixes are the same in every repetition (warmed once into
+each engine's prefix cache); the fresh tokens differ from request to request and from repetition to
+repetition, so only the prefixes hit the cache; every side gets the same prompts in one repetition.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+from .engine import SHARED_PREFIX_ENV
+
+SCENARIOS = ("shared", "private", "fresh", "decode")
+NOSHARE = "noshare"
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """One engine of the run: ``stock`` (the add-on disabled) or a backend, with the shared-prefix
+    path as the add-on sets it (default) or turned off (``NAME:noshare``)."""
+
+    label: str
+    backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
+    env: tuple[tuple[str, str], ...] = ()  # more switches for this engine's processes
+
+    @property
+    def extra_env(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def parse_sides(text: str) -> list[SideSpec]:
+    """``stock,FLASH_ATTN,FLASH_ATTN:noshare`` -> the run's engines, in that order."""
+    sides: list[SideSpec] = []
+    for raw in text.split(","):
+        label = raw.strip()
+        name, _, mode = label.partition(":")
+        if not name:
+            raise ValueError(f"empty side in {text!r}")
+        if name.lower() == "stock":
+            if mode:
+                raise ValueError(f"side {label!r}: stock runs none of the add-on, it has no {mode!r}")
+            side = SideSpec("stock", "stock")
+        elif not mode:
+            side = SideSpec(name.upper(), name.upper())
+        elif mode.lower() == NOSHARE:
+            side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
+        else:
+            raise ValueError(f"side {label!r}: unknown mode {mode!r} (NAME or NAME:{NOSHARE})")
+        if any(s.label == side.label for s in sides):
+            raise ValueError(f"side {side.label!r} listed twice")
+        sides.append(side)
+    return sides
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``16x32,8x1024`` -> [(B, N), ...]: B requests of N fresh tokens each."""
+    points = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"point {item!r}: write BxN, both positive integers (e.g. 16x32)")
+        points.append((int(parts[0]), int(parts[1])))
+    return points
+
+
+def parse_ints(text: str) -> list[int]:
+    """``32768,8192`` -> [32768, 8192] (positive)."""
+    values = [int(v) for v in text.split(",")]
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{text!r}: positive integers only")
+    return values
+
+
+@dataclass(frozen=True)
+class Point:
+    """One scenario at one size: B requests, each a prefix of P cached tokens (0: none) + N fresh."""
+
+    scenario: str
+    prefix_len: int
+    batch: int
+    new_tokens: int
+    max_tokens: int = 1
+
+    @property
+    def key(self) -> str:
+        out = f" out={self.max_tokens}" if self.max_tokens != 1 else ""
+        return f"{self.scenario} P={self.prefix_len} B={self.batch} N={self.new_tokens}{out}"
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.new_tokens
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache serves in a timed run, all requests together."""
+        return self.batch * self.prefix_len
+
+
+def build_points(
+    scenarios: list[str],
+    prefix_lens: list[int],
+    points: list[tuple[int, int]],
+    private_prefix_len: int,
+    private_points: list[tuple[int, int]],
+    decode_prefix_len: int,
+    decode_points: list[tuple[int, int]],
+    decode_tokens: int,
+) -> list[Point]:
+    """The run's points, scenario by scenario in the order given."""
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown}: choose from {', '.join(SCENARIOS)}")
+    out: list[Point] = []
+    for scenario in scenarios:
+        if scenario == "shared":
+            out += [Point("shared", p, b, n) for p in prefix_lens for b, n in points]
+        elif scenario == "private":
+            out += [Point("private", private_prefix_len, b, n) for b, n in private_points]
+        elif scenario == "fresh":
+            out += [Point("fresh", 0, b, n) for b, n in points]
+        else:
+            out += [Point("decode", decode_prefix_len, b, n, decode_tokens) for b, n in decode_points]
+    return out
+
+
+def check_fits(points: list[Point], max_model_len: int) -> None:
+    """Every request (its prompt and what it generates) fits ``max_model_len``."""
+    too_long = [p.key for p in points if p.prompt_len + p.max_tokens > max_model_len]
+    if too_long:
+        raise ValueError(f"longer than --max-model-len {max_model_len}: {too_long}")
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens(seed: str, length: int, vocab: int) -> tuple[int, ...]:
+    # A string seed: the same tokens in every process (str hashes are salted, Random(str) is not).
+    rng = random.Random(seed)
+    return tuple(rng.randrange(2, vocab) for _ in range(length))
+
+
+def prefixes(point: Point, vocab: int) -> list[tuple[int, ...]]:
+    """The cached prefixes a point's requests start with, one per request (shared: the same one)."""
+    if point.prefix_len == 0:
+        return [()] * point.batch
+    if point.scenario == "private":
+        return [
+            _tokens(f"private/{point.prefix_len}/{i}", point.prefix_len, vocab) for i in range(point.batch)
+        ]
+    # shared and decode: one prefix per length, so the decode mix reuses what the shared points cached
+    return [_tokens(f"shared/{point.prefix_len}", point.prefix_len, vocab)] * point.batch
+
+
+def warm_prompts(point: Point, vocab: int) -> list[list[int]]:
+    """What is sent untimed before a point's timed runs so that its prefixes are in the cache."""
+    if point.prefix_len == 0:
+        return []
+    return [list(p) for p in dict.fromkeys(prefixes(point, vocab))]  # a shared prefix once
+
+
+def timed_prompts(point: Point, rep: int, vocab: int) -> list[list[int]]:
+    """Repetition ``rep``'s prompts: each request's prefix + N tokens of its own, new every repetition."""
+    return [
+        [*prefix, *_fresh(f"{point.key}/rep{rep}/request{i}", point.new_tokens, vocab)]
+        for i, prefix in enumerate(prefixes(point, vocab))
+    ]
+
+
+def _fresh(seed: str, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(length)]

@@ -1,0 +1,305 @@
+"""The shared-prefix engine benchmark's parts that run without a GPU: its sides and points, the prompts
+(one cached prefix, fresh tokens new for every request and repetition), taking turns, the paired ratios
+and the table; the engine's arguments read by the installed vLLM's own ``EngineArgs``.
+
+Its numbers come from the GPU host (docs/benchmarks.md, "Shared-prefix engine benchmark").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.bench import engine
+from scripts.bench import shared_prefix_engine as bench
+from scripts.bench.shared_prefix_table import cache_notes, markdown, paired_ratio, tabulate
+from scripts.bench.shared_prefix_workload import (
+    Point,
+    build_points,
+    check_fits,
+    parse_points,
+    parse_sides,
+    timed_prompts,
+    warm_prompts,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 16160  # the R1 slice's
+
+
+def default_plan(**flags):
+    args = bench.make_parser().parse_args([f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
+    return bench.plan(args)
+
+
+# --- sides and points ---------------------------------------------------------------------------
+
+
+def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
+    sides, _ = default_plan()
+    assert [(s.label, s.backend, s.extra_env) for s in sides] == [
+        ("stock", "stock", {}),
+        ("FLASH_ATTN", "FLASH_ATTN", {}),  # the add-on's default: the path on where supported
+        ("FLASH_ATTN:noshare", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX": "0"}),
+    ]
+    assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("stock:noshare", "stock runs none of the add-on"),
+        ("FLASH_ATTN:nosharing", "unknown mode 'nosharing'"),
+        ("stock,FLASH_ATTN,flash_attn", "listed twice"),
+        ("stock,,FLASH_ATTN", "empty side"),
+    ],
+)
+def test_a_side_that_cannot_be_run_is_refused(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_sides(text)
+
+
+def test_points_are_b_requests_of_n_fresh_tokens():
+    assert parse_points("16x32, 8X1024") == [(16, 32), (8, 1024)]
+    for bad in ("16", "0x32", "16x", "ax4", "16x32x2"):
+        with pytest.raises(ValueError, match="write BxN"):
+            parse_points(bad)
+
+
+def test_the_default_run_holds_every_scenario_of_the_issue():
+    _, points = default_plan()
+    keys = [p.key for p in points]
+    assert len(keys) == len(set(keys))
+    by = {
+        s: [(p.prefix_len, p.batch, p.new_tokens, p.max_tokens) for p in points if p.scenario == s]
+        for s in ("shared", "private", "fresh", "decode")
+    }
+    issue_points = [(16, 32), (16, 128), (16, 512), (8, 1024), (4, 2048)]
+    assert by["shared"] == [(p, b, n, 1) for p in (32768, 8192) for b, n in issue_points]
+    assert by["private"] == [(8192, 16, n, 1) for n in (32, 128, 512)]
+    assert by["fresh"] == [(0, b, n, 1) for b, n in issue_points]
+    assert by["decode"] == [(32768, 16, 32, 64)]
+    _, only = default_plan(scenarios="fresh,shared", prefix_lens="8192", points="4x8")
+    assert [p.key for p in only] == ["fresh P=0 B=4 N=8", "shared P=8192 B=4 N=8"]
+
+
+def test_a_run_whose_requests_do_not_fit_is_refused_before_any_engine_starts():
+    with pytest.raises(ValueError, match="unknown scenario"):
+        default_plan(scenarios="shared,mixed")
+    points = build_points(["decode"], [], [], 0, [], 32768, [(16, 32)], 64)
+    check_fits(points, 32768 + 32 + 64)
+    with pytest.raises(ValueError, match="longer than --max-model-len 32863"):
+        check_fits(points, 32768 + 32 + 63)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "shared_prefix_engine", "--baseline", "FLASHINFER"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--baseline 'FLASHINFER' is not one of the sides" in proc.stderr
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def test_shared_prompts_share_the_cached_prefix_and_nothing_else():
+    point = Point("shared", 1024, 16, 32)
+    (prefix,) = warm_prompts(point, VOCAB)  # one prefix, warmed once
+    assert len(prefix) == 1024
+    reps = [timed_prompts(point, rep, VOCAB) for rep in range(3)]
+    suffixes = []
+    for prompts in reps:
+        assert len(prompts) == 16
+        for p in prompts:
+            assert len(p) == 1024 + 32 and p[:1024] == prefix
+            assert all(2 <= t < VOCAB for t in p)
+            suffixes.append(tuple(p[1024:]))
+    # fresh for every request and every repetition, from their first token on: only the prefix hits
+    assert len({s[:4] for s in suffixes}) == len(suffixes) == 48
+    # every side gets the same prompts in one repetition
+    assert timed_prompts(point, 1, VOCAB) == reps[1]
+
+
+def test_each_prefix_length_has_one_prefix_that_the_decode_mix_reuses():
+    long, short = Point("shared", 4096, 4, 8), Point("shared", 1024, 4, 8)
+    decode = Point("decode", 4096, 16, 32, max_tokens=64)
+    assert (
+        warm_prompts(decode, VOCAB)
+        == warm_prompts(long, VOCAB)
+        == warm_prompts(Point("shared", 4096, 8, 2), VOCAB)
+    )
+    assert warm_prompts(short, VOCAB)[0] != warm_prompts(long, VOCAB)[0][:1024]  # not each other's start
+    assert all(p[:4096] == warm_prompts(long, VOCAB)[0] for p in timed_prompts(decode, 1, VOCAB))
+
+
+def test_private_prompts_each_start_with_their_own_cached_prefix():
+    point = Point("private", 512, 16, 32)
+    warm = warm_prompts(point, VOCAB)
+    assert len(warm) == 16 and len({tuple(w) for w in warm}) == 16
+    for rep in (0, 1):
+        prompts = timed_prompts(point, rep, VOCAB)
+        assert [p[:512] for p in prompts] == warm  # the same prefixes every repetition
+        assert len({tuple(p[512:]) for p in prompts}) == 16
+    assert timed_prompts(point, 0, VOCAB)[0][512:] != timed_prompts(point, 1, VOCAB)[0][512:]
+
+
+def test_fresh_prompts_have_nothing_to_warm_and_nothing_shared():
+    point = Point("fresh", 0, 16, 128)
+    assert warm_prompts(point, VOCAB) == [] and point.cached_tokens() == 0
+    prompts = timed_prompts(point, 1, VOCAB)
+    assert all(len(p) == 128 for p in prompts) and len({tuple(p[:4]) for p in prompts}) == 16
+    shared = timed_prompts(Point("shared", 1024, 16, 128), 1, VOCAB)
+    assert not {tuple(p[:4]) for p in prompts} & {tuple(p[1024:1028]) for p in shared}
+
+
+# --- taking turns -------------------------------------------------------------------------------
+
+
+def test_every_repetition_warms_then_times_every_side_in_a_rotating_order():
+    points = [Point("shared", 64, 2, 4), Point("fresh", 0, 3, 5)]
+    sides = ["stock", "A", "A:noshare"]
+    calls = []
+
+    def warm(side, prompts):
+        calls.append(("warm", side, len(prompts)))
+
+    def timed(side, prompts, max_tokens):
+        calls.append(("timed", side, tuple(map(tuple, prompts))))
+        return float(len(calls)), 0, len(prompts) * max_tokens  # "seconds": the call's number
+
+    orders = []
+    raw = bench.take_turns(
+        points, sides, 3, VOCAB, warm, timed, lambda rep, order, raw: orders.append(order) or True
+    )
+    assert orders == [sides, ["A", "A:noshare", "stock"], ["A:noshare", "stock", "A"], sides]
+    per_rep = 2 * len(sides) + len(sides)  # the shared point's warm-ups and timed runs, the fresh point's
+    assert len(calls) == 4 * per_rep
+    for rep in range(4):
+        block = calls[rep * per_rep : (rep + 1) * per_rep]
+        assert block[:3] == [("warm", s, 1) for s in sides]  # before any timed run of that point
+        assert [c[1] for c in block[3:6]] == orders[rep] == [c[1] for c in block[6:9]]
+        assert len({c[2] for c in block[3:6]}) == 1  # the same prompts to every side
+        assert block[3][2] == tuple(map(tuple, timed_prompts(points[0], rep, VOCAB)))
+    # repetition 0 is untimed: 3 timed values per side and point, in repetition order
+    assert {k: len(v) for k, v in raw["seconds"]["A"].items()} == {p.key: 3 for p in points}
+    # stock's timed run of the shared point: third in repetition 1, second in 2, first in 3
+    assert raw["seconds"]["stock"][points[0].key] == [
+        per_rep + 3 + 3,
+        2 * per_rep + 3 + 2,
+        3 * per_rep + 3 + 1,
+    ]
+    assert raw["output_tokens"]["A"][points[1].key] == [3, 3, 3]
+
+
+def test_a_run_stops_after_the_repetition_that_says_so():
+    points = [Point("fresh", 0, 1, 2)]
+    raw = bench.take_turns(
+        points,
+        ["stock", "A"],
+        5,
+        VOCAB,
+        lambda *a: None,
+        lambda *a: (1.0, 0, 1),
+        lambda rep, order, raw: rep < 2,
+    )
+    assert raw["seconds"]["stock"][points[0].key] == [1.0, 1.0]  # repetitions 1 and 2, then stopped
+
+
+def test_a_run_with_a_time_limit_times_at_least_once_and_ends_within_it():
+    assert bench.keep_going(0, elapsed=500.0, last=100.0, stop_after=300.0)  # the untimed repetition
+    assert bench.keep_going(1, elapsed=200.0, last=100.0, stop_after=None)
+    assert bench.keep_going(1, elapsed=200.0, last=100.0, stop_after=300.0)
+    assert not bench.keep_going(1, elapsed=200.0, last=100.5, stop_after=300.0)
+
+
+def test_a_worker_that_does_not_see_the_sides_switch_stops_the_run():
+    off, on = parse_sides("FLASH_ATTN:noshare,FLASH_ATTN")
+    bench.check_switch(off, {"workers": [{"shared_prefix_env": "0"}]})
+    bench.check_switch(on, {"workers": [{"shared_prefix_env": None}]})
+    with pytest.raises(SystemExit, match="sees MLA_PREFILL_SHARED_PREFIX=None, the side sets '0'"):
+        bench.check_switch(off, {"workers": [{"shared_prefix_env": "0"}, {"shared_prefix_env": None}]})
+    with pytest.raises(SystemExit, match="sees MLA_PREFILL_SHARED_PREFIX='0', the side sets None"):
+        bench.check_switch(on, {"workers": [{"shared_prefix_env": "0"}]})
+
+
+def test_the_engines_arguments_are_the_installed_vllms_own():
+    """Every argument the sides' engines get is a field of the installed vLLM's ``EngineArgs`` (what
+    ``LLM`` builds from them), and prefix caching is on."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = bench.make_parser().parse_args([])
+    kwargs = engine.engine_kwargs(args, enable_prefix_caching=True)
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert kwargs["enable_prefix_caching"] is True and kwargs["enforce_eager"] is False
+    assert (kwargs["max_num_batched_tokens"], kwargs["max_model_len"], kwargs["gpu_memory_utilization"]) == (
+        8192,
+        40960,
+        0.28,
+    )
+    assert engine.engine_kwargs(argparse.Namespace(**{**vars(args), "eager": True}))["enforce_eager"] is True
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def test_a_ratio_is_the_median_of_paired_ratios_not_the_ratio_of_medians():
+    stock, side = [2.0, 1.0, 4.0], [1.0, 1.0, 1.0]
+    r = paired_ratio(stock, side)
+    assert (r["median"], r["min"], r["max"], r["all"]) == (2.0, 1.0, 4.0, [2.0, 1.0, 4.0])
+    assert paired_ratio([1.0, 3.0, 2.0], [2.0, 1.0, 4.0])["median"] == 0.5  # ratios 0.5, 3, 0.5
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def sample_run():
+    shared, decode = Point("shared", 32768, 16, 128), Point("decode", 32768, 16, 32, max_tokens=64)
+    sides = ["stock", "FLASH_ATTN", "FLASH_ATTN:noshare"]
+    seconds = {
+        "stock": {shared.key: [0.5, 0.4, 0.6], decode.key: [2.0, 2.0, 2.0]},
+        "FLASH_ATTN": {shared.key: [0.25, 0.25, 0.25], decode.key: [1.0, 2.0, 4.0]},
+        "FLASH_ATTN:noshare": {shared.key: [0.5, 0.5, 0.5], decode.key: [2.0, 2.0, 2.0]},
+    }
+    out = {s: {shared.key: [16] * 3, decode.key: [1024] * 3} for s in sides}
+    cached = {s: {shared.key: [16 * 32768] * 3, decode.key: [16 * 32768] * 3} for s in sides}
+    cached["FLASH_ATTN:noshare"][decode.key][1] = 15 * 32768  # one run where the cache fell short
+    return [shared, decode, Point("fresh", 0, 4, 8)], sides, seconds, out, cached
+
+
+def test_the_table_pairs_each_side_with_stock_and_checks_the_cache():
+    points, sides, seconds, out, cached = sample_run()
+    table = tabulate(points, sides, "stock", seconds, out, cached)
+    assert [row["key"] for row in table] == [points[0].key, points[1].key]  # the fresh point never ran
+    shared, decode = table
+    assert shared["reps"] == 3 and shared["sides"]["stock"]["median_s"] == 0.5
+    assert shared["ratios"]["FLASH_ATTN"]["all"] == [2.0, 1.6, 2.4] and "stock" not in shared["ratios"]
+    assert shared["ratios"]["FLASH_ATTN:noshare"]["median"] == 1.0
+    assert "output_tokens_per_s" not in shared["sides"]["stock"]
+    assert decode["sides"]["FLASH_ATTN"]["output_tokens_per_s"] == 512.0  # 1024 tokens in 2.0 s (median)
+    assert decode["sides"]["FLASH_ATTN:noshare"]["cache_as_planned"] is False
+    assert shared["sides"]["FLASH_ATTN:noshare"]["cache_as_planned"] is True
+    assert cache_notes(table) == [
+        f"FLASH_ATTN:noshare, {points[1].key}: the prefix cache served [491520, 524288] tokens per run, "
+        "not 524288"
+    ]
+
+
+def test_the_markdown_table_shows_seconds_and_ratios_with_their_range():
+    points, sides, seconds, out, cached = sample_run()
+    lines = markdown(tabulate(points, sides, "stock", seconds, out, cached), sides, "stock")
+    assert lines == [
+        "| scenario | P | B | N | stock s | FLASH_ATTN s | FLASH_ATTN:noshare s | FLASH_ATTN x stock "
+        "| FLASH_ATTN:noshare x stock |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shared | 32768 | 16 | 128 | 0.500 | 0.250 | 0.500 | 2.000 [1.600-2.400] | 1.000 [0.800-1.200] |",
+        "| decode | 32768 | 16 | 32 (+64 out) | 2.000 (512 out tok/s) | 2.000 (512 out tok/s) "
+        "| 2.000 (512 out tok/s) | 1.000 [0.500-2.000] | 1.000 [1.000-1.000] |",
+    ]
+    no_stock = markdown(tabulate(points, sides[1:], "stock", seconds, out, cached), sides[1:], "stock")
+    assert no_stock[0] == "| scenario | P | B | N | FLASH_ATTN s | FLASH_ATTN:noshare s |"
