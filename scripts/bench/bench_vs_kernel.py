@@ -189,11 +189,13 @@ def main_live(parser: Any, args: Any) -> int:
         parser.error("--rounds: at least 1")
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: PyTorch sees no CUDA GPU here")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     names = [n.strip() for n in (args.backends or live.DEFAULT_BACKENDS).split(",") if n.strip()]
     backends, left_out = live.resolve_backends(names, device, dims)
     for name, why in left_out.items():
-        live.progress_line(f"{name} cannot serve here: {why}")
+        live.progress_line(f"{name} left out: {why}")
     progress = live.progress_line
     rows, errors = live.measure_live(backends, shapes, dims, device, rounds, args.tolerance, progress)
     for e in errors:

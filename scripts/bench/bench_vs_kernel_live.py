@@ -146,9 +146,17 @@ def measure_live(
     for shape in shapes:
         # Each side's inputs, as each builds them: bench's step and kernel.py's case (whose
         # problem always has its context chunk, timed or not).
-        bench_problem = make_shape_problem(shape, dims, torch.bfloat16, device, seed=0)
         case = kernel.grid_case(tuple(dims[:3]), dims.num_heads, shape.new_lens())
-        p, chunk, _, _ = kernel.case_problem(case, device)
+        try:
+            bench_problem = make_shape_problem(shape, dims, torch.bfloat16, device, seed=0)
+            p, chunk, _, _ = kernel.case_problem(case, device)
+        except Exception as e:  # e.g. out of memory: every backend's result on this shape
+            errors += [
+                {"backend": n, "shape": shape.label, "error": f"the inputs: {describe_error(e)}"}
+                for n in backends
+            ]
+            done += len(backends)
+            continue
         for name, cls in backends.items():
             done += 1
             inputs = (case, p, chunk)

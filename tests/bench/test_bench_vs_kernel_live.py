@@ -153,3 +153,15 @@ def test_live_mode_usage_errors(args: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_live_mode_refuses_cuda_without_a_gpu(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from scripts.bench.bench_vs_kernel import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--live", "--device", "cuda", "--shapes", "1x16"])
+    assert e.value.code == 2 and "--device cuda: PyTorch sees no CUDA GPU here" in capsys.readouterr().err
