@@ -10,7 +10,8 @@ take turns round by round, so that host and GPU drift reach both alike:
   of its repetitions (``time_repetition``);
 - the kernel benchmark: ``kernel.py``'s case, backend and ops (``case_problem``, ``backend_ops``),
   each op warmed up and sized by ``launches_per_round``; a round is one ``measure`` of each op the
-  pair needs, its launches per round as kernel.py's.
+  pair needs, its launches per round as kernel.py's (its bare-kernel side is not timed: the pair
+  compares the backend's figure, ``backend_ms``).
 
 Pairs as the file mode pairs them (:func:`scripts.bench.bench_vs_kernel.kernel_ops`): a step without
 context against new_tokens; a step with one context chunk as long as its new tokens against
