@@ -17,8 +17,14 @@
 # 100 ms (clocks.csv); then every bench run against every kernel run (bench-vs-kernel-bI-kJ.*).
 # Both record each repetition's time, so a drift within a measurement shows. A few minutes in all
 # (FlashInfer's first JIT included).
+#
+#   bash scripts/gpu_bench_suite.sh OUT_DIR --live
+# instead measures the two in one process, taking turns round by round for each backend and shape
+# (python -m scripts.bench bench_vs_kernel --live: FLASH_ATTN, FLASHINFER, TORCH_SDPA and the example
+# package's EXAMPLE, the interleaved run's 7 shapes, R1's dims with 16 heads, 15 rounds), with the
+# environment and the clocks logged; its exit code is the comparison's (1: a pair outside 5%).
 set -u
-out=${1:?usage: gpu_bench_suite.sh OUT_DIR [--interleaved]}
+out=${1:?usage: gpu_bench_suite.sh OUT_DIR [--interleaved|--live]}
 mode=${2:-full}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -54,6 +60,26 @@ if [ "$mode" = "--interleaved" ]; then
     done
   done
   exit 0
+fi
+
+if [ "$mode" = "--live" ]; then
+  "$py" -c "import sys, torch, vllm; print(sys.version); print('torch', torch.__version__); print('vllm', vllm.__version__)" \
+    > "$out/environment.txt" 2>&1
+  site="$out/example-site"
+  "$py" -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" \
+    examples/mla_prefill_example_backend > "$out/example-install.log" 2>&1
+  stamp "example package: rc=$?"
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$out/clocks.csv" 2>&1 &
+  smi=$!
+  stamp "bench and the kernel benchmark, taking turns"
+  PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m scripts.bench bench_vs_kernel --live --device cuda \
+    --backends FLASH_ATTN,FLASHINFER,TORCH_SDPA,EXAMPLE --json "$out/bench-vs-kernel-live.json" \
+    --markdown "$out/bench-vs-kernel-live.md" > "$out/bench-vs-kernel-live.txt" 2> "$out/bench-vs-kernel-live.log"
+  rc=$?
+  kill "$smi"
+  stamp "bench and the kernel benchmark, taking turns: rc=$rc ($(tail -1 "$out/bench-vs-kernel-live.log"))"
+  exit $rc
 fi
 
 stamp "environment"

@@ -140,10 +140,35 @@ def check_step(convention: CallingConvention, backend: Any, problem: PrefillProb
     return result.error
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """An error as a result's line: out of memory said briefly, else the exception's type and text."""
     if isinstance(e, torch.OutOfMemoryError):
         return f"out of memory ({str(e).splitlines()[0]})"
     return f"{type(e).__name__}: {e}"
+
+
+def step_to_time(
+    cls: type, problem: PrefillProblem, dims: MLADims, convention: CallingConvention
+) -> tuple[Callable[[], None] | None, str | None]:
+    """The backend built as the host builds it, its first step checked call by call (warm-up, JIT);
+    then the step to time on metadata prepared once, or the failing call, named."""
+    kwargs = layer_kwargs(dims, deepseek_yarn_scale(dims.qk_nope_head_dim + dims.qk_rope_head_dim))
+    backend = convention.construct(cls, kwargs)
+    error = check_step(convention, backend, problem)
+    if error is not None:
+        return None, error
+    return prepared_step(convention, backend, problem), None
+
+
+def device_sync(problem: PrefillProblem) -> Callable[[], None]:
+    """Wait for the device the problem's tensors are on."""
+    device = problem.q.device
+    return lambda: synchronize(device)
+
+
+def timed_warmup(warmup: int) -> int:
+    """The untimed steps left after the checked one (``warmup`` counts it)."""
+    return max(0, warmup - 1)
 
 
 def measure_one(
@@ -158,17 +183,13 @@ def measure_one(
     """One backend on one shape; an error (a call that raises, out of memory) is the result."""
     row = Measurement(candidate.name, shape, problem.flops())
     try:
-        kwargs = layer_kwargs(dims, deepseek_yarn_scale(dims.qk_nope_head_dim + dims.qk_rope_head_dim))
-        backend = convention.construct(candidate.cls, kwargs)
-        row.error = check_step(convention, backend, problem)
-        if row.error is None:
-            step = prepared_step(convention, backend, problem)
-            device = problem.q.device
+        step, row.error = step_to_time(candidate.cls, problem, dims, convention)
+        if step is not None:
             row.timing = median_time(
-                step, sync=lambda: synchronize(device), repeat=repeat, warmup=max(0, warmup - 1)
+                step, sync=device_sync(problem), repeat=repeat, warmup=timed_warmup(warmup)
             )
     except Exception as e:  # the backend failed on this shape: that is its result
-        row.error = _describe(e)
+        row.error = describe_error(e)
     return row
 
 
@@ -222,7 +243,7 @@ def run_bench(
             problem = make_shape_problem(shape, dims, dtype, device, seed)
         except Exception as e:  # e.g. out of memory: every backend's result on this shape
             for candidate in candidates:
-                rows.append(Measurement(candidate.name, shape, 0.0, error=f"the inputs: {_describe(e)}"))
+                rows.append(Measurement(candidate.name, shape, 0.0, error=f"the inputs: {describe_error(e)}"))
             done += len(candidates)
             continue
         for candidate in candidates:

@@ -63,13 +63,28 @@ def kernel_grid(
     for dims in {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]:
         for heads in heads_choice:
             for n in singles:
-                grid.append({"dims": dims, "heads": heads, "new": [n], "ctx": [n]})
+                grid.append(grid_case(dims, heads, [n]))
             for b in batches:
-                grid.append({"dims": dims, "heads": heads, "new": b, "ctx": list(b)})
+                grid.append(grid_case(dims, heads, b))
     return grid
 
 
-def _timer(device: str):
+def grid_case(dims: tuple[int, int, int], heads: int, new: list[int]) -> dict[str, Any]:
+    """One case: sequences of ``new`` new tokens, each with one context chunk as long as them."""
+    return {"dims": dims, "heads": heads, "new": list(new), "ctx": list(new)}
+
+
+def case_problem(case: dict[str, Any], device: str) -> tuple[Any, tuple, float, float]:
+    """A case's inputs: the problem, its context chunk's (q, k, v), the new tokens' and the chunk's FLOPs."""
+    from mla_prefill_ext.testing.problem import make_problem
+
+    p = make_problem(case["new"], case["ctx"], 1, case["heads"], *case["dims"], device=device, seed=0)
+    chunk = (p.q, p.chunk_k[0], p.chunk_v[0])
+    return p, chunk, p.flops(context=False), p.flops(new_tokens=False)
+
+
+def launch_timer(device: str):
+    """measure(fn, n): seconds per launch of n launches back to back (CUDA events on the GPU)."""
     import torch
 
     if device == "cuda":
@@ -134,35 +149,46 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
     return {}
 
 
-def measure_backend(
-    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse=False
-) -> list[dict]:
-    """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
-    import torch
-
+def backend_ops(cls: type, case: dict[str, Any], p: Any, chunk: tuple) -> tuple[Any, dict[str, Any]]:
+    """The backend built and prepared for ``case``; each op as a call of no arguments."""
     from mla_prefill_ext.testing.problem import deepseek_yarn_scale
 
-    dims, heads = case["dims"], case["heads"]
-    rows = []
-    backend = cls(heads, deepseek_yarn_scale(), 512, *dims, None)
+    backend = cls(case["heads"], deepseek_yarn_scale(), 512, *case["dims"], None)
     backend.prepare_metadata(p.metadata)
     ours = {
         "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
         "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
         "new_tokens_lse": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, True),
     }
+    return backend, ours
+
+
+def launches_per_round(fns: dict[str, Any], measure, device: str) -> int:
+    """Warm every side up (and JIT), then size a round from one timed launch of the backend's side."""
+    import torch
+
+    for fn in fns.values():
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    once = measure(fns["backend"], 1)
+    return max(1, min(200, int(0.02 / max(once, 1e-6))))
+
+
+def measure_backend(
+    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse=False
+) -> list[dict]:
+    """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
+    dims, heads = case["dims"], case["heads"]
+    rows = []
+    backend, ours = backend_ops(cls, case, p, chunk)
     bare = bare_kernels(name, backend, p, chunk)
     ops = [("new_tokens", new_flops), ("context_chunk", ctx_flops)]
     if with_lse:
         ops.append(("new_tokens_lse", new_flops))
     for op, flops in ops:
         fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
-        for fn in fns.values():  # warm-up (and JIT)
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        once = measure(fns["backend"], 1)
-        n = max(1, min(200, int(0.02 / max(once, 1e-6))))
+        n = launches_per_round(fns, measure, device)
         samples: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(rounds):  # interleave the sides round by round
             for k, fn in fns.items():
@@ -197,16 +223,13 @@ def bench_kernels(
 
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig
-    from mla_prefill_ext.testing.problem import make_problem
 
-    measure = _timer(device)
+    measure = launch_timer(device)
     rows = []
     for case in grid:
         dims, heads = case["dims"], case["heads"]
         config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
-        p = make_problem(case["new"], case["ctx"], 1, heads, *dims, device=device, seed=0)
-        chunk = (p.q, p.chunk_k[0], p.chunk_v[0])
-        new_flops, ctx_flops = p.flops(context=False), p.flops(new_tokens=False)
+        p, chunk, new_flops, ctx_flops = case_problem(case, device)
         for name in names:
             cls = MLAPrefillBackendEnum[name].get_class()
             if cls.validate_configuration(capability, config):
