@@ -53,10 +53,11 @@ class SharedStep:
 
 
 class _BuilderState:
-    __slots__ = ("decision", "segments")
+    __slots__ = ("decision", "segments", "usable")
 
     def __init__(self, decision: switch.PathDecision) -> None:
         self.decision = decision
+        self.usable: bool | None = None  # its backends take shared segments (None: not known yet)
         self.segments: dict[Hashable, SegmentInstance] = {}
 
 
@@ -84,6 +85,22 @@ def step_backends(builder: Any, prefill: Any) -> dict[Hashable, tuple[Any, Calla
     return None
 
 
+def _backends_accept(builder: Any) -> bool | None:
+    """Whether the builder's add-on instances all take shared segments (None: none made yet).
+
+    Known before any step with context: the patch's runners (vLLM 0.20) or the bridge's adapter.
+    """
+    runners = builder.__dict__.get("_mla_prefill_runners")
+    if runners:
+        backends = list(runners.values())
+    else:
+        inner = getattr(getattr(builder, "_prefill_backend", None), "inner", None)
+        backends = [inner] if inner is not None else []
+    if not backends:
+        return None
+    return all(accepts_shared_segments(b) for b in backends)
+
+
 def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
@@ -91,11 +108,15 @@ def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
 def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
     metadata = routing.build_with_step_threshold(wrapped, instance, args, kwargs)
-    prefill = getattr(metadata, "prefill", None)
-    if prefill is None or getattr(prefill, "chunked_context", None) is None:
-        return metadata
     state = _state(instance)
     if not state.decision.on:
+        return metadata
+    if state.usable is None:
+        state.usable = _backends_accept(instance)
+        if state.usable:
+            routing.mark_usable()  # short extends may be routed here from now on (routing.py)
+    prefill = getattr(metadata, "prefill", None)
+    if prefill is None or getattr(prefill, "chunked_context", None) is None:
         return metadata
     try:
         plan_step(instance, metadata, prefill, _arg(args, kwargs, "common_attn_metadata", 1), state)
@@ -140,7 +161,6 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
             ", ".join(refusing),
         )
         return
-    routing.mark_usable()  # short extends may now be routed here (routing.py)
     start, end = metadata.num_decodes, common.num_reqs
     loc = common.query_start_loc_cpu[start : end + 1]
     loc = loc - loc[0]
