@@ -6,6 +6,7 @@
 # scenario compared with stock runs on it.
 # Full run: GPU 0 and GPU 1 each run a queue of single-GPU engine scenarios; GPU 1 also runs
 # the kernel numerics suite and the kernel benchmark; then the TP=2 scenarios take both GPUs;
+# then the shared-prefix parity scenarios over both GPUs from one queue;
 # then the engine assertions (verdicts, mutation proof) run over the recorded results, and
 # the engine and start-up benchmark tables (scripts/bench/).
 # --quick: the engine scenarios only (no --bench, no kernel suite, no benchmarks), single-GPU
@@ -56,10 +57,16 @@ else
   wait $gpu0 $gpu1
   stamp "tensor parallel"
   scenarios --gpus 0,1 --only stock-tp2,shim-fa-tp2,shim-fi-tp2,custom-tp2 > "$out/queue-tp2.log" 2>&1
+  stamp "shared-prefix parity"
+  shared=$(python -c 'from scripts.gpu_harness import scenarios; print(",".join(scenarios.SHARED_SCENARIOS))')
+  scenarios --gpus 0,1 --only "$shared" > "$out/queue-shared.log" 2>&1
 fi
 stamp "engine assertions"
 python -m pytest tests/gpu/test_engine.py -q -rs -s --junitxml="$out/engine.xml" > "$out/engine.log" 2>&1
 tail -n 3 "$out/engine.log"
+python -m pytest tests/gpu/test_shared_prefix.py -q -rs -s --junitxml="$out/shared-prefix.xml" \
+  > "$out/shared-prefix.log" 2>&1
+tail -n 3 "$out/shared-prefix.log"
 if [[ $quick != 1 ]]; then
   stamp "engine benchmark table"
   python -m scripts.bench engine_scenarios --results "$out/scenarios" --json "$out/bench-engine.json" \

@@ -5,8 +5,9 @@ A scenario is one engine lifetime in a fresh process (so that the add-on's
 environment switches reach vLLM's child processes as they would for a user):
 
     python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
-        [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks] \\
-        [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench]
+        [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks|shared] \\
+        [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench] \\
+        [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse]
 
 Weights: ``sharp`` (default) loads the seeded sharp-attention checkpoint
 (scripts/gpu_harness/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
@@ -22,7 +23,13 @@ tell near-ties from real flips, see verdict.py):
   context) and a prefix-cache hit;
 * ``chunks``: an 8192-token prompt (fills the prefix cache), then a 12288-token prompt
   sharing its first 8192 tokens (one step of 4096 new tokens over 8192 cached ones),
-  then a fresh 10000-token prompt (chunked prefill over its own context).
+  then a fresh 10000-token prompt (chunked prefill over its own context);
+* ``shared``: requests sharing one cached prefix of ``SHARED_PREFIX`` tokens, each set in one
+  ``generate`` call (:func:`shared_prompt_sets`): the prefix alone (fills the cache), 16 short
+  extends of 200 fresh tokens (vLLM's decode path; the shared-prefix path routes them to the
+  prefill path), 8 extends of 1200 fresh tokens, then 8 private contexts of 704 tokens after the
+  prefix (cached by a first call) each extended by 600 fresh tokens. This set runs with
+  ``SHARED_MAX_NUM_BATCHED_TOKENS`` so that every set's requests are scheduled in one step.
 
 ``--context-chunk-tokens N`` (test-only) lowers the MLA metadata builder's
 chunked-context workspace to N tokens, so that context is processed in chunks of N
@@ -34,6 +41,14 @@ default, unless CUDA is already initialized here or VLLM_WORKER_MULTIPROC_METHOD
 a spawned process re-imports vLLM unwrapped). The wrapper writes what it did to a file
 from inside the engine process, and the run fails unless that evidence comes from a
 process other than this one.
+
+``--shared-evidence`` and ``--shared-mutant`` (test-only) wrap the add-on's shared-prefix
+context computation (``compute_context`` as ``mla_prefill_ext.hosts.core.shared_prefix.layer``
+calls it) the same way, before ``LLM(...)``, and record each call's plan from inside the engine
+process: ``--shared-evidence`` calls through unchanged; a mutant computes a deliberately wrong
+context (``other-prefix``: the shared segment gathers blocks that are not its prefix;
+``drop-segment-lse``: the shared segment never reaches the merge), which the parity check must
+catch.
 
 With ``--bench``: prefill throughput (prompt tokens/s, ``max_tokens=1``) for a grid of shapes.
 
@@ -66,6 +81,15 @@ PARITY_PROMPT_LENS = [6000, 4500, 1200, 700]
 PREFIX_SHARED, PREFIX_NEW = 4096, 1000  # a second request reusing 4096 cached tokens
 CHUNKS_PREFIX, CHUNKS_NEW, CHUNKS_FRESH = 8192, 4096, 10000
 MAX_TOKENS = 16
+# The ``shared`` set. Cached lengths are multiples of 64 tokens (of every MLA block size: 16, 64),
+# so that the cache holds whole prefixes; every set's new tokens fit one step's budget.
+SHARED_PREFIX = 6144
+SHARED_SHORT, SHARED_SHORT_NEW = 16, 200  # <= 512 new tokens: vLLM's decode path unless routed
+SHARED_LONG, SHARED_LONG_NEW = 8, 1200
+SHARED_PRIVATE, SHARED_PRIVATE_CONTEXT, SHARED_PRIVATE_NEW = 8, 704, 600
+SHARED_MAX_NUM_BATCHED_TOKENS = 12288  # 8 x 1200 new tokens in one step
+SHARED_SETS = ("shared_warm", "shared_short", "shared_long", "shared_private_warm", "shared_private")
+SHARED_MUTANTS = ("other-prefix", "drop-segment-lse")
 TOP_LOGPROBS = 2
 BENCH_GRID = [(1024, 1), (1024, 16), (4096, 1), (4096, 8), (8192, 4)]
 BENCH_REPS = 5
@@ -77,6 +101,34 @@ def prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def shared_prompt_sets() -> dict[str, list[list[int]]]:
+    """The ``shared`` prompt set: one ``generate`` call per entry, in order (see the module docstring).
+
+    Each set's requests share the first ``SHARED_PREFIX`` tokens and differ from the first token after
+    them (seeded random tokens); ``shared_private`` extends ``shared_private_warm``'s prompts.
+    """
+    prefix = prompts([SHARED_PREFIX], seed=11)[0]
+    private = prompts([SHARED_PRIVATE_CONTEXT] * SHARED_PRIVATE, seed=14)
+    return {
+        "shared_warm": [prefix],
+        "shared_short": [prefix + s for s in prompts([SHARED_SHORT_NEW] * SHARED_SHORT, seed=12)],
+        "shared_long": [prefix + s for s in prompts([SHARED_LONG_NEW] * SHARED_LONG, seed=13)],
+        "shared_private_warm": [prefix + p for p in private],
+        "shared_private": [
+            prefix + p + n
+            for p, n in zip(private, prompts([SHARED_PRIVATE_NEW] * SHARED_PRIVATE, seed=15), strict=True)
+        ],
+    }
+
+
+def shared_cached_tokens(key: str) -> int:
+    """How many leading tokens of each prompt of ``key`` an earlier call of the ``shared`` set cached."""
+    return {
+        "shared_warm": 0,
+        "shared_private": SHARED_PREFIX + SHARED_PRIVATE_CONTEXT,
+    }.get(key, SHARED_PREFIX)
 
 
 def default_checkpoint_dir() -> Path:
@@ -163,6 +215,94 @@ def chunk_evidence(evidence: Path, tokens: int) -> dict:
     return summary
 
 
+# --- test-only: the shared-prefix context computation recorded, or made wrong ------------------
+
+SHARED_LAYER_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.layer"
+
+
+def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
+    """Wrap ``compute_context`` where the shared-prefix layer hook calls it (``layer.compute_context``).
+
+    ``mode``: ``record`` calls it unchanged; ``other-prefix`` shifts the plan's segment block table
+    by the segment's own width in blocks (modulo the cache's block count), so each segment gathers
+    the blocks after its prefix (other requests' blocks, or unused ones) instead of the prefix;
+    ``drop-segment-lse`` runs the plan without its segments, so the shared prefix never reaches the
+    merge (a step whose requests have no private context then gets no context at all: zero output
+    and an LSE of -inf, as vLLM writes for a request without context in a chunk). Each call writes
+    one line of evidence (pid, mode, each segment's members, tokens and member query lengths).
+
+    Returns ``(module, attribute, wrapper)``; :func:`uninstall_shared_context_wrapper` undoes it.
+    """
+    import dataclasses
+    import importlib
+
+    import torch
+    import wrapt
+
+    if mode not in ("record", *SHARED_MUTANTS):
+        raise ValueError(f"unknown shared-context wrapper mode {mode!r}")
+    module = importlib.import_module(SHARED_LAYER_MODULE)
+
+    def record(plan: Any) -> None:
+        segments = [
+            f"{len(s.members)}:{s.num_tokens}:{max(e - b for b, e in s.query_ranges)}" for s in plan.segments
+        ]
+        passes = len(plan.segment_passes)
+        with open(evidence, "a") as f:
+            f.write(f"{os.getpid()} {mode} {passes} {len(plan.private_passes)} {' '.join(segments)}\n")
+
+    def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return call(wrapped, *args, **kwargs)
+
+    def call(
+        wrapped: Any, q: Any, plan: Any, table: Any, step_backend: Any, segment_backend: Any, layer: Any
+    ) -> Any:
+        record(plan)
+        if mode == "other-prefix":
+            blocks = layer.kv_cache.shape[0]
+            shifted = (plan.segment_block_table.long() + plan.segment_block_table.shape[1]) % blocks
+            plan = dataclasses.replace(plan, segment_block_table=shifted.to(plan.segment_block_table.dtype))
+        elif mode == "drop-segment-lse":
+            if not plan.private_passes:
+                out, lse = wrapped(q, plan, table, step_backend, segment_backend, layer)
+                return torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+            return wrapped(q, dataclasses.replace(plan, segments=()), table, step_backend, None, layer)
+        return wrapped(q, plan, table, step_backend, segment_backend, layer)
+
+    return module, "compute_context", wrapt.wrap_function_wrapper(module, "compute_context", wrapper)
+
+
+def uninstall_shared_context_wrapper(installed: tuple[Any, str, Any]) -> None:
+    module, attribute, wrapper = installed
+    setattr(module, attribute, wrapper.__wrapped__)
+
+
+def shared_context_evidence(evidence: Path) -> dict:
+    """What the shared-context wrapper wrote; ``ok`` only if it ran in another process than this one."""
+    calls = []
+    if evidence.exists():
+        for line in evidence.read_text().splitlines():
+            pid, mode, segment_passes, private_passes, *segments = line.split()
+            shapes = [tuple(int(x) for x in s.split(":")) for s in segments]
+            calls.append((int(pid), mode, int(segment_passes), int(private_passes), shapes))
+    pids = sorted({c[0] for c in calls})
+    shapes = [s for c in calls for s in c[4]]
+    return {
+        "modes": sorted({c[1] for c in calls}),
+        "calls": len(calls),
+        "calls_with_segments": sum(1 for c in calls if c[4]),
+        "max_members": max((m for m, _, _ in shapes), default=0),
+        "max_segment_tokens": max((t for _, t, _ in shapes), default=0),
+        # Members whose queries are short extends (vLLM's decode path without the routing).
+        "max_short_extend_members": max((m for m, _, q in shapes if q <= 512), default=0),
+        "max_segment_passes": max((c[2] for c in calls), default=0),
+        "max_private_passes": max((c[3] for c in calls), default=0),
+        "pids": pids,
+        "runner_pid": os.getpid(),
+        "ran_in_engine_process": bool(calls) and os.getpid() not in pids,
+    }
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 
@@ -172,7 +312,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tp,
         enforce_eager=args.eager,
         max_model_len=16384,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens=(
+            SHARED_MAX_NUM_BATCHED_TOKENS if args.prompts == "shared" else MAX_NUM_BATCHED_TOKENS
+        ),
         enable_prefix_caching=True,  # V1's default, stated: the prompt sets rely on it
         gpu_memory_utilization=args.gpu_mem,
         distributed_executor_backend=args.executor,
@@ -232,9 +374,12 @@ def run(args: argparse.Namespace) -> dict:
         register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, path)
 
     if args.context_chunk_tokens:
+        install_context_chunk_wrapper(args.context_chunk_tokens, args.evidence)
+    if args.shared_mode:
+        install_shared_context_wrapper(args.shared_mode, args.shared_evidence_file)
+    if args.context_chunk_tokens or args.shared_mode:
         import torch
 
-        install_context_chunk_wrapper(args.context_chunk_tokens, args.evidence)
         if torch.cuda.is_initialized():  # vLLM would then spawn, without the wrapper
             raise RuntimeError("CUDA is initialized in the runner: vLLM would spawn its engine unwrapped")
 
@@ -253,6 +398,10 @@ def run(args: argparse.Namespace) -> dict:
         # Prefix-cache hit: shares the first PREFIX_SHARED tokens of an earlier prompt.
         hit = [base[0][:PREFIX_SHARED] + prompts([PREFIX_NEW], seed=2)[0]]
         results["prefix_hit"] = [summarize(o) for o in generate(hit, greedy)]
+    elif args.prompts == "shared":
+        # One call per set: its requests arrive together and are scheduled in one step.
+        for key, token_lists in shared_prompt_sets().items():
+            results[key] = [summarize(o) for o in generate(token_lists, greedy)]
     else:
         # One request at a time, so each step holds one request and the cache is filled
         # before the prompt that reuses it.
@@ -300,8 +449,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--weights", choices=["sharp", "dummy"], default="sharp")
     parser.add_argument("--model-dir", type=Path, help="the sharp checkpoint (default: generated to a cache)")
-    parser.add_argument("--prompts", choices=["parity", "chunks"], default="parity")
+    parser.add_argument("--prompts", choices=["parity", "chunks", "shared"], default="parity")
     parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
+    shared = parser.add_mutually_exclusive_group()
+    shared.add_argument(
+        "--shared-evidence", action="store_true", help="test-only: record the shared-prefix path's plans"
+    )
+    shared.add_argument(
+        "--shared-mutant", choices=SHARED_MUTANTS, help="test-only: a deliberately wrong shared-prefix path"
+    )
     parser.add_argument("--bench", action="store_true")
     parser.add_argument(
         "--executor",
@@ -335,11 +491,14 @@ def main() -> int:
         os.environ["MLA_PREFILL_BACKEND"] = args.backend_env
     if args.spawn:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    if args.context_chunk_tokens and args.spawn:
-        parser.error("--context-chunk-tokens needs the engine forked (see the module docstring)")
+    args.shared_mode = args.shared_mutant or ("record" if args.shared_evidence else None)
+    if (args.context_chunk_tokens or args.shared_mode) and args.spawn:
+        parser.error("the test-only wrappers need the engine forked (see the module docstring)")
     count_file = Path(args.out).with_suffix(".calls")
     args.evidence = Path(args.out).with_suffix(".chunks")
     args.evidence.unlink(missing_ok=True)
+    args.shared_evidence_file = Path(args.out).with_suffix(".shared")
+    args.shared_evidence_file.unlink(missing_ok=True)
     if args.custom:
         count_file.unlink(missing_ok=True)
         os.environ["MLA_PREFILL_COUNT_FILE"] = str(count_file)
@@ -381,6 +540,16 @@ def main() -> int:
             record["error"] = (
                 "the --context-chunk-tokens wrapper left no evidence from the engine process "
                 "(was the engine core spawned instead of forked?)"
+            )
+    if args.shared_mode:
+        evidence = shared_context_evidence(args.shared_evidence_file)
+        record["shared_context"] = evidence
+        print("shared context:", json.dumps(evidence), flush=True)
+        if record["ok"] and args.shared_mutant and not evidence["ran_in_engine_process"]:
+            record["ok"] = False
+            record["error"] = (
+                f"the --shared-mutant {args.shared_mutant} wrapper never ran in the engine process "
+                "(no shared-prefix plan, or the engine core was spawned instead of forked)"
             )
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]

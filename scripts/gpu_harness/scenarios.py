@@ -16,6 +16,13 @@ builder's chunked-context workspace lowered to ``CONTEXT_CHUNK_TOKENS`` (so one 
 merges 4 context chunks), eager; they are compared with ``stock-chunks``. The mutants
 (mutant_backends.py) must fail that comparison.
 
+The ``*-shared*`` scenarios run the ``shared`` prompt set (requests sharing a cached prefix,
+tests/gpu/test_shared_prefix.py): several stock lifetimes (``stock-shared``, ``-2``, ``-3``: stock is
+not bit-reproducible across engine lifetimes everywhere), the add-on on FLASH_ATTN with its
+shared-prefix path on (the default), off (``MLA_PREFILL_SHARED_PREFIX=0``), with context in chunks
+of ``CONTEXT_CHUNK_TOKENS``, compiled, and two deliberately wrong shared paths
+(``--shared-mutant``) that must fail the comparison.
+
 More scenarios (e.g. Ray executors) are more :class:`Scenario` entries: flags for the
 runner (see ``engine_runner.llm_kwargs``), ``env`` for the runner's environment,
 ``gpus`` for how many GPUs they take.
@@ -39,6 +46,10 @@ MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
 SHARP_SEED = 0
 CONTEXT_CHUNK_TOKENS = 2048
 CHUNKS = ("--prompts", "chunks", "--context-chunk-tokens", str(CONTEXT_CHUNK_TOKENS), "--eager")
+SHARED = ("--prompts", "shared")
+SHARED_ADDON = (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-evidence")
+SHARED_CHUNKS = ("--context-chunk-tokens", str(CONTEXT_CHUNK_TOKENS))
+SHARED_OFF = (("MLA_PREFILL_SHARED_PREFIX", "0"),)
 
 
 @dataclass(frozen=True)
@@ -87,9 +98,28 @@ SCENARIOS = {
         # kernel implements) against its FA3: how far two equally exact kernels of vLLM's own part.
         # Needs vLLM's FA2 library (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the GPU host's vLLM.
         Scenario("stock-fa2-eager", ("--stock", "--eager", "--flash-attn-version", "2")),
+        # Shared-prefix parity (issue 27): eager but for the compiled pair.
+        Scenario("stock-shared", ("--stock", *SHARED, "--eager")),
+        Scenario("stock-shared-2", ("--stock", *SHARED, "--eager")),
+        Scenario("stock-shared-3", ("--stock", *SHARED, "--eager")),
+        Scenario("stock-shared-chunks", ("--stock", *SHARED, *SHARED_CHUNKS, "--eager")),
+        Scenario("shim-fa-shared", (*SHARED_ADDON, "--eager")),
+        Scenario("shim-fa-shared-off", (*SHARED_ADDON, "--eager"), env=SHARED_OFF),
+        Scenario("shim-fa-shared-chunks", (*SHARED_ADDON, *SHARED_CHUNKS, "--eager")),
+        Scenario(
+            "mutant-shared-other-prefix",
+            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "other-prefix", "--eager"),
+        ),
+        Scenario(
+            "mutant-shared-drop-lse",
+            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "drop-segment-lse", "--eager"),
+        ),
+        Scenario("stock-shared-compiled", ("--stock", *SHARED)),
+        Scenario("shim-fa-shared-compiled", SHARED_ADDON),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
+SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n]
 
 
 def default_model_dir(results: Path) -> Path:

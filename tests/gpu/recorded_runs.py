@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from scripts.gpu_harness import scenarios, verdict
+from scripts.gpu_harness import engine_runner, scenarios, verdict
 
 # One folder, or several separated by os.pathsep (later runs of the same scenarios).
 RESULTS_DIRS = [Path(p) for p in (os.environ.get("MLA_GPU_RESULTS") or "").split(os.pathsep) if p] or [
@@ -53,9 +53,12 @@ def log_of(name: str) -> str:
     return scenarios.log_text(_chosen(name)[0], name)
 
 
+RECORD_KEYS = ("batch", "prefix_hit", "chunks", *engine_runner.SHARED_SETS)
+
+
 def records(data: dict) -> list[dict]:
     res = data["results"]
-    return [r for key in ("batch", "prefix_hit", "chunks") for r in res.get(key, [])]
+    return [r for key in RECORD_KEYS for r in res.get(key, [])]
 
 
 def outputs(name: str) -> list[dict]:
