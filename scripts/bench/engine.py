@@ -91,6 +91,7 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         )
     ]
     package = _sys.modules.get("mla_prefill_ext")
+    path = _sys.modules.get("mla_prefill_ext.hosts.core.shared_prefix.instrumentor")
     return {
         "owners": sorted(owners),
         "addon_owned": sorted(addon),
@@ -99,6 +100,8 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         "package": getattr(package, "__file__", None),
         # The shared-prefix path's switch as this worker sees it (None: unset, the default).
         "shared_prefix_env": os.environ.get(SHARED_PREFIX_ENV),
+        # The path's state and its counters (steps with shared segments, steps routed) so far.
+        "shared_prefix": path.INSTRUMENTOR.report() if path is not None else None,
     }
 
 

@@ -243,8 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
+    # Whether the path ran at all: each side's workers' counters (steps with shared segments,
+    # steps whose short extends were routed) after the whole run.
+    after = {label: engines[label].collective_rpc(engine.prefill_owners) for label in labels}
+    for label, workers in after.items():
+        print(f"{label}: shared-prefix path {[w.get('shared_prefix') for w in workers]}", flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
-    common.write_json(args.json, {**header, **raw, "table": table, "markdown": lines, "notes": notes})
+    common.write_json(
+        args.json,
+        {**header, **raw, "table": table, "markdown": lines, "notes": notes, "engines_after": after},
+    )
     return 0
 
 

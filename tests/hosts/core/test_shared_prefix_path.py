@@ -164,10 +164,12 @@ def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
     path = _path()
     if not path.instrumented:
         pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    before = path.report()["steps_with_segments"]
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
     result = run_step(cfg, layer, activated)
     print("shared-prefix path on:", {k: v for k, v in result.items() if k != "shared"})
+    assert path.report()["steps_with_segments"] == before + 1  # the counter the benchmarks read
     assert result["shared"] is not None and len(result["shared"].plan.segments) == 1
     assert result["shared"].plan.segments[0].members == (0, 1, 2)
     context = sum(c for _, c, _ in REQUESTS)

@@ -99,5 +99,15 @@ class SharedPrefixInstrumentor:
             self.routing = False
             self.problem = None
 
+    def report(self) -> dict[str, object]:
+        """The path's state in this process: wrapped, routing, why not, steps planned and routed."""
+        return {
+            "instrumented": self.instrumented,
+            "routing": self.routing,
+            "problem": self.problem,
+            "steps_with_segments": step.PLANNED[0],
+            "steps_routed": routing.ROUTED[0],
+        }
+
 
 INSTRUMENTOR = SharedPrefixInstrumentor()

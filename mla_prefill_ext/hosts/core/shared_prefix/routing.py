@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_prefill_ext._logging import logger
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.shared_prefix import find_shared_prefixes
 
@@ -32,6 +33,7 @@ ABSORBED_PER_QK = 2 * (512 + 64 + 512)  # scores over 576 latent dims, values ov
 PREFILL_PER_QK = 2 * (192 + 128)
 UP_PROJECTION_PER_TOKEN = 2 * 512 * (128 + 128)
 
+ROUTED = [0]  # steps whose short extends were routed here, in this process (evidence for benchmarks)
 _LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
 _USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
 
@@ -111,6 +113,12 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     if lowered is None:
         return wrapped(*args, **kwargs)
     _LOCAL.threshold = lowered
+    ROUTED[0] += 1
+    if ROUTED[0] == 1:
+        logger.info(
+            "MLA shared-prefix prefill (mla-prefill-ext): a step's short extends that share a cached "
+            "prefix run on the prefill path from now on, where that is cheaper (the first such step)."
+        )
     instance.reorder_batch_threshold = lowered
     try:
         return wrapped(*args, **kwargs)

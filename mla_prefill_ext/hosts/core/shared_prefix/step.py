@@ -26,6 +26,8 @@ from mla_prefill_ext.shared_prefix import (
     plan_context,
 )
 
+PLANNED = [0]  # steps that ran with shared segments, in this process (evidence for benchmarks)
+
 STEP_ATTR = "mla_shared_step"
 """The prefill metadata's attribute holding the step's :class:`SharedStep` (absent: vLLM's path)."""
 
@@ -185,3 +187,13 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
             segment = state.segments[key] = SegmentInstance(backend, device)
         instances[key] = (backend, segment.prepare(plan, prefill))
     setattr(prefill, STEP_ATTR, SharedStep(plan.to(device), instances))
+    PLANNED[0] += 1
+    if PLANNED[0] == 1:
+        s = plan.segments[0]
+        logger.info(
+            "MLA shared-prefix prefill (mla-prefill-ext): the first step with a shared prefix: %d "
+            "segment(s), the first of %d tokens shared by %d requests.",
+            len(plan.segments),
+            s.num_tokens,
+            len(s.members),
+        )
