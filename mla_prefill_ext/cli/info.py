@@ -152,6 +152,7 @@ class InfoReport(Report):
     mode: str = "patch"  # mla_prefill_ext.versions: patch, bridge or none
     bridge: dict[str, Any] | None = None  # vLLM 0.23+: what the bridge found (bridge.report)
     bridge_lines: list[str] = field(default_factory=list)
+    shared_prefix: dict[str, Any] = field(default_factory=dict)  # hosts.shared_prefix_report
 
     @property
     def bridged(self) -> bool:
@@ -209,6 +210,7 @@ class InfoReport(Report):
             "backends": self.backends,
             "backend_packages": self.entry_points,
             "competing_claims": self.competing_claims,
+            "shared_prefix": self.shared_prefix,
             "environment": self.environment,
             "findings": [f._asdict() for f in self.findings],
             "verdict": "problem" if self.problems else "ok",
@@ -230,6 +232,10 @@ class InfoReport(Report):
             state = "not active (see the findings)"
         return f"add-on: {state}"
 
+    def _shared_prefix_lines(self) -> list[str]:
+        sp = self.shared_prefix
+        return [f"shared-prefix path: {'on' if sp['on'] else 'off'}: {sp['reason']}"] if sp else []
+
     def text_lines(self) -> list[str]:
         vllm_state = "supported" if self.version_reason is None else "NOT supported"
         return [
@@ -240,6 +246,7 @@ class InfoReport(Report):
             self._addon_line(),
             runtime.platform_line(self.platform, self.patched and not self.disabled, self.disabled),
             *self.bridge_lines,
+            *self._shared_prefix_lines(),
             *(
                 []
                 if self.bridged
@@ -271,7 +278,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
     from mla_prefill_ext import activation, hosts, versions
     from mla_prefill_ext.mla_layers import MLA_MODULE
     from mla_prefill_ext.selector import current_device_capability
-    from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV
+    from mla_prefill_ext.settings import BACKEND_ENV, DISABLE_ENV, OVERRIDES_ENV, SHARED_PREFIX_ENV
 
     findings: list[Finding] = []
     mode = versions.decide(host.vllm_version)
@@ -351,6 +358,9 @@ def cmd_info(args: argparse.Namespace) -> Report:
         for group in competing
     ]
     findings += runtime.bytecode_findings()
+    shared_prefix = hosts.shared_prefix_report(disabled)
+    if shared_prefix["problem"]:
+        findings.append(Finding("problem", f"{shared_prefix['reason']}."))
 
     return InfoReport(
         host=host,
@@ -366,9 +376,13 @@ def cmd_info(args: argparse.Namespace) -> Report:
         backends=backends,
         entry_points=entry_points,
         competing_claims=competing,
-        environment={name: os.environ.get(name) for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)},
+        environment={
+            name: os.environ.get(name)
+            for name in (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV, SHARED_PREFIX_ENV)
+        },
         findings=findings,
         mode=mode.mode,
         bridge=st.info,
         bridge_lines=host_lines,
+        shared_prefix=shared_prefix,
     )

@@ -23,7 +23,14 @@ BRIDGE_HOST = f"{__name__}.vllm_0_23"
 STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
 SHARED_PREFIX_MODULE = f"{__name__}.core.shared_prefix.instrumentor"
 
-__all__ = ["BRIDGE_HOST", "PATCH_HOST", "SHARED_PREFIX_MODULE", "STOCK_GUARD_MODULE", "host_report"]
+__all__ = [
+    "BRIDGE_HOST",
+    "PATCH_HOST",
+    "SHARED_PREFIX_MODULE",
+    "STOCK_GUARD_MODULE",
+    "host_report",
+    "shared_prefix_report",
+]
 
 
 def host_report(mode: str, mla_module: Any = None) -> Any:
@@ -36,3 +43,41 @@ def host_report(mode: str, mla_module: Any = None) -> Any:
 
     host = BRIDGE_HOST if mode == versions.BRIDGE else PATCH_HOST
     return importlib.import_module(f"{host}.report").host_report(mla_module)
+
+
+def shared_prefix_report(disabled: bool) -> dict[str, Any]:
+    """Whether the shared-prefix path runs in this process's engines, and why (for ``info``).
+
+    ``on``; ``reason`` in words; ``problem``: True when the setting itself is invalid. Read
+    after the add-on activated and vLLM's MLA module was imported (the path wraps it then).
+    """
+    import sys
+
+    from mla_prefill_ext.settings import SHARED_PREFIX_ENV, shared_prefix_setting
+
+    if disabled:
+        return {"on": False, "reason": "the add-on is disabled", "problem": False}
+    try:
+        on, source = shared_prefix_setting(None)
+    except ValueError as e:
+        return {"on": False, "reason": str(e), "problem": True}
+    if not on:
+        return {"on": False, "reason": f"turned off by {source}", "problem": False}
+    module = sys.modules.get(SHARED_PREFIX_MODULE)
+    path = getattr(module, "INSTRUMENTOR", None)
+    if path is None or not path.instrumented:
+        why = getattr(path, "problem", None) or "vLLM's MLA layer is not patched or bridged here"
+        return {
+            "on": False,
+            "reason": f"not available ({why}); vLLM's own context path runs",
+            "problem": False,
+        }
+    return {
+        "on": True,
+        "reason": (
+            f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
+            "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
+            "with an FP8 KV cache, context parallelism or dual-batch overlap"
+        ),
+        "problem": False,
+    }

@@ -19,6 +19,9 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     ),
     # An installed backend package that claims a place in automatic selection here.
     "info_claim": (["info"], {}),
+    # The shared-prefix path turned off, and its switch given a value that is not one.
+    "info_shared_off": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "0"}),
+    "info_shared_invalid": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "maybe"}),
 }
 SLOW_RUN_PATHS: dict[str, list[str]] = {"info_claim": ["claim_packages"]}
 
@@ -75,3 +78,24 @@ def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -
             for line in lines
         )
     assert lines[-1] == "verdict: ok: the add-on is active and vLLM's MLA layer is patched."
+
+
+def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, Any]) -> None:
+    on = slow["info_claim"].stdout.splitlines()
+    off = slow["info_shared_off"]
+    invalid = slow["info_shared_invalid"]
+    lines = [line for line in on if line.startswith("shared-prefix path:")]
+    from mla_prefill_ext import versions
+
+    if versions.installed_vllm_version() in ("0.20.2", "0.25.1"):
+        assert lines and lines[0].startswith("shared-prefix path: on: requests sharing a cached prefix"), on
+    else:
+        assert lines and lines[0].startswith("shared-prefix path: off: not available (vLLM "), on
+    assert off.returncode == 0, off.stdout + off.stderr[-2000:]
+    assert "shared-prefix path: off: turned off by MLA_PREFILL_SHARED_PREFIX" in off.stdout.splitlines()
+    assert invalid.returncode == 1, invalid.stdout
+    assert_no_traceback(invalid)
+    assert (
+        "  PROBLEM  MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use 1/true/on or 0/false/off."
+        in invalid.stdout.splitlines()
+    )

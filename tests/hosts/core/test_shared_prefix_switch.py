@@ -1,0 +1,73 @@
+"""Whether the shared-prefix path runs in an engine: the setting, then the exclusions (real VllmConfig)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.testing import vllm_host as host
+
+
+@pytest.fixture
+def config(model_dirs, clean_selection):
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    return host.make_vllm_config(model_dirs["yarn"])
+
+
+def test_on_by_default(config):
+    assert switch.decide(config) == switch.PathDecision(True, switch.decide(config).reason)
+    assert switch.decide(config).on
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", "No"])
+def test_the_environment_turns_it_off(config, clean_selection, value):
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", value)
+    assert switch.decide(config) == (False, "turned off by MLA_PREFILL_SHARED_PREFIX")
+
+
+def test_additional_config_wins_over_the_environment(config, clean_selection):
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    config.additional_config = {"mla_prefill_shared_prefix": True}
+    assert switch.decide(config).on
+    config.additional_config = {"mla_prefill_shared_prefix": "off"}
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "1")
+    assert switch.decide(config) == (False, "turned off by additional_config['mla_prefill_shared_prefix']")
+
+
+def test_a_value_that_is_not_a_switch_stops_the_engine_naming_its_source(config, clean_selection):
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "maybe")
+    with pytest.raises(ValueError, match=r"MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch"):
+        switch.decide(config)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "reason"),
+    [
+        ("cache_config", "cache_dtype", "fp8", "the KV cache is fp8 (an FP8 cache is not served yet)"),
+        ("parallel_config", "decode_context_parallel_size", 2, "decode context parallelism is on"),
+        ("parallel_config", "enable_dbo", True, "dual-batch overlap is on"),
+    ],
+)
+def test_each_exclusion_turns_it_off_with_its_reason(config, section, field, value, reason):
+    setattr(getattr(config, section), field, value)
+    decision = switch.decide(config)
+    assert not decision.on and reason in decision.reason, decision
+
+
+def test_one_info_line_per_process_and_decision(config, clean_selection, addon_log):
+    import logging
+
+    from mla_prefill_ext import _logging
+
+    _logging.forget_logged()
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    switch.decide_and_say(config)
+    switch.decide_and_say(config)
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    switch.decide_and_say(config)
+    lines = [r.getMessage() for r in addon_log if "shared-prefix" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("MLA shared-prefix prefill (mla-prefill-ext): on (")
+    assert lines[1] == (
+        "MLA shared-prefix prefill (mla-prefill-ext): off (turned off by MLA_PREFILL_SHARED_PREFIX)."
+    )
