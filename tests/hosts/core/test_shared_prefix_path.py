@@ -1,16 +1,18 @@
 """The shared-prefix path inside vLLM's own builder and ``forward_mha``, on the host this vLLM has.
 
-vLLM 0.20.2 (the patch) and 0.25.1 (the bridge): real layer, real metadata builder, the runner's
+vLLM 0.20.2 (the patch), 0.25.1 and 0.33.0 (the bridge): real layer, real metadata builder, the runner's
 real ``BlockTable`` (its host buffer is what the path reads); the context path's CUDA-only gather
 and merge done in torch (``cpu_step_kernels``). A step of four prefill requests, three of them
 sharing two cached blocks (two with private context after them), one with a context of its own,
 is checked against float64 attention over each request's whole sequence, with the path on and
-off; with it on the shared blocks are up-projected once. On a vLLM whose context path has
-another shape (0.29+), nothing is wrapped and one line says why.
+off; with it on the shared blocks are up-projected once. vLLM 0.33.0 (its context loop on
+``MLACommonBaseImpl``, chunk objects) takes the same path. On a vLLM whose context path has another
+shape, nothing is wrapped and one line says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -71,14 +73,46 @@ def small_groups_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "COST_MODEL", FlopCostModel())
 
 
+def _accepted(cls: type, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments this vLLM's ``cls.__init__`` takes (they differ across releases)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@contextlib.contextmanager
+def _unpinned() -> Any:
+    """Pinned host memory needs a CUDA driver; vLLM 0.25+ reads whether to pin from the platform at import."""
+    from vllm.v1 import utils as v1_utils
+    from vllm.v1.worker import gpu_input_batch
+
+    with (
+        mock.patch.object(gpu_input_batch, "PIN_MEMORY", False, create=True),
+        mock.patch.object(v1_utils, "PIN_MEMORY", False, create=True),
+    ):
+        yield
+
+
 def _block_table(rows: list[list[int]]) -> Any:
     """vLLM's runner block table (on the CPU), holding ``rows``; its device view, as the runner hands it."""
     from vllm.v1.worker.block_table import BlockTable
 
-    table = BlockTable(BS, 8, 8, 256, False, torch.device("cpu"), BS, 1)
-    for i, row in enumerate(rows):
-        table.add_row(row, i)
-    table.commit_block_table(len(rows))
+    kwargs = dict(
+        block_size=BS,
+        max_num_reqs=8,
+        max_num_blocks_per_req=8,
+        max_num_batched_tokens=256,
+        pin_memory=False,
+        device=torch.device("cpu"),
+        kernel_block_size=BS,
+        cp_kv_cache_interleave_size=1,
+    )
+    with _unpinned():
+        table = BlockTable(**_accepted(BlockTable, **kwargs))
+        for i, row in enumerate(rows):
+            table.add_row(row, i)
+        table.commit_block_table(len(rows))
     return table.get_device_tensor(len(rows))
 
 
@@ -152,7 +186,7 @@ def run_step(cfg: Any, layer: Any, mla_module: Any, workspace: int = 64) -> dict
 
 def test_the_path_wraps_vllms_context_code_where_it_has_the_known_shape(activated):
     path = _path()
-    if versions.installed_vllm_version() in ("0.20.2", "0.25.1"):
+    if versions.installed_vllm_version() in ("0.20.2", "0.25.1", "0.33.0"):
         assert path.instrumented, path.problem
     elif not path.instrumented:
         assert path.problem and "vLLM" in path.problem
@@ -242,8 +276,6 @@ def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_g
 
 def _input_batch(requests: list[tuple[list[int], int, int]]) -> Any:
     """vLLM's runner ``InputBatch`` (on the CPU) holding ``(block ids, computed tokens, prompt tokens)``."""
-    import inspect
-
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -252,17 +284,14 @@ def _input_batch(requests: list[tuple[list[int], int, int]]) -> Any:
         max_model_len=8192,
         max_num_batched_tokens=8192,
         device=torch.device("cpu"),
+        pin_memory=False,
         vocab_size=1000,
         block_sizes=[BS],
         kernel_block_sizes=[BS],
+        max_num_blocks_per_req=[8192 // BS],
     )
-    if "pin_memory" in inspect.signature(InputBatch.__init__).parameters:
-        kwargs["pin_memory"] = False
-    from vllm.v1.worker import gpu_input_batch
-
-    # Pinned host memory needs a CUDA driver; vLLM 0.25+ reads whether to pin from the platform at import.
-    with mock.patch.object(gpu_input_batch, "PIN_MEMORY", False, create=True):
-        batch = InputBatch(**kwargs)
+    with _unpinned():
+        batch = InputBatch(**_accepted(InputBatch, **kwargs))
     for i, (blocks, computed, prompt) in enumerate(requests):
         batch.add_request(
             CachedRequestState(

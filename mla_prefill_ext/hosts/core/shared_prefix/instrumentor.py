@@ -46,7 +46,10 @@ class SharedPrefixInstrumentor:
             if problem is None:
                 problem = self.wrappers.wrap_all(
                     mla_module,
-                    [(targets.BUILD, step.after_build), (targets.CONTEXT, layer.compute_prefill_context)],
+                    [
+                        (targets.BUILD, step.after_build),
+                        (targets.context_path(mla_module), layer.compute_prefill_context),
+                    ],
                 )
             if problem is None:
                 problem = self.wrappers.wrap_all(

@@ -82,8 +82,10 @@ def step_backends(builder: Any, prefill: Any) -> dict[Hashable, tuple[Any, Calla
         return {key: (runner, runner.prepare_metadata) for key, runner in runners.items()}
     adapter = getattr(builder, "_prefill_backend", None)
     inner = getattr(adapter, "inner", None)
-    if inner is not None and callable(getattr(adapter, "prepare_metadata", None)):
-        return {None: (inner, adapter.prepare_metadata)}
+    if inner is not None:
+        # The add-on instance itself: on 0.29+ the adapter's own preparation shows it no chunks
+        # (vLLM's chunk objects go to per-chunk views); the private passes are the add-on's kind.
+        return {None: (inner, inner.prepare_metadata)}
     return None
 
 

@@ -1,12 +1,12 @@
 """The shape vLLM's context path must have for the shared-prefix path to take its place.
 
-As in vLLM 0.20.2 and 0.25.1: ``MLACommonImpl._compute_prefill_context(q, kv_c_and_k_pe_cache,
-attn_metadata, k_scale)`` defined on ``MLACommonImpl``, gathering with
+As in vLLM 0.20.2, 0.25.1 and 0.33.0: ``_compute_prefill_context(q, kv_c_and_k_pe_cache,
+attn_metadata, k_scale)`` defined on ``MLACommonImpl`` (on ``MLACommonBaseImpl`` from 0.29), gathering with
 ``gather_and_maybe_dequant_cache``; the metadata builder's ``build(common_prefix_len,
 common_attn_metadata)`` sizing chunks from ``chunked_prefill_workspace_size``; the prefill
 metadata a dataclass with ``block_table`` and ``chunked_context``; the runner's
-``BlockTable.get_device_tensor(num_reqs)``. vLLM 0.29+ plans context chunks its own way
-(``plan_mla_context_chunks``, chunk objects, ``MLACommonBaseImpl``): not served yet.
+``BlockTable.get_device_tensor(num_reqs)``. vLLM 0.29+ plans its own context chunks as objects
+(``plan_mla_context_chunks``); the path replaces that loop whole, so those do not matter to it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
-CONTEXT = "MLACommonImpl._compute_prefill_context"
+CONTEXT_OWNERS = ("MLACommonImpl", "MLACommonBaseImpl")  # 0.20-0.27; 0.29+ moved it to the base
 BUILD = "MLACommonMetadataBuilder.build"
 DEVICE_TENSOR = "BlockTable.get_device_tensor"
 REORDER = "GPUModelRunner._may_reorder_batch"
@@ -50,12 +50,21 @@ def _refers(obj: Any, path: str, *names: str) -> None:
         raise LookupError(f"{path} no longer refers to {missing}")
 
 
+def context_path(mla_module: ModuleType) -> str:
+    """Where vLLM defines ``_compute_prefill_context`` (``MLACommonImpl`` up to 0.27, its base from 0.29)."""
+    for owner in CONTEXT_OWNERS:
+        if "_compute_prefill_context" in getattr(getattr(mla_module, owner, None), "__dict__", {}):
+            return f"{owner}._compute_prefill_context"
+    return f"{CONTEXT_OWNERS[0]}._compute_prefill_context"
+
+
 def problem(mla_module: ModuleType, block_table_module: ModuleType) -> str | None:
     """Why these vLLM modules do not have the shape the path patches (None: they do)."""
+    context_target = context_path(mla_module)
     try:
-        context = _defined(mla_module, CONTEXT)
-        _params(context, CONTEXT, "q", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale")
-        _refers(context, CONTEXT, "gather_and_maybe_dequant_cache")
+        context = _defined(mla_module, context_target)
+        _params(context, context_target, "q", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale")
+        _refers(context, context_target, "gather_and_maybe_dequant_cache")
         build = _defined(mla_module, BUILD)
         _params(build, BUILD, "common_prefix_len", "common_attn_metadata")
         _refers(build, BUILD, "chunked_prefill_workspace_size")
