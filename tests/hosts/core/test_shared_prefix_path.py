@@ -32,14 +32,20 @@ MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 BS = 16
 LORA, ROPE, NOPE, DV = 512, 64, 128, 128
 SHARED = [9, 4]  # the shared prefix's two blocks (32 tokens)
-# (blocks after the shared ones or of its own, context tokens, new tokens); the first three share SHARED.
+LONG_SHARED = [9, 4, 14, 15, 16]  # five blocks (80 tokens): more than one 64-row workspace pass
+# (blocks after the shared ones or of its own, private context tokens, new tokens); the first three
+# share the prefix, the last has a context of its own.
 REQUESTS = [
-    ([2, 11], 32 + 21, 3),
-    ([7], 32 + 5, 4),
-    ([12], 32, 2),  # the shared prefix and nothing of its own
-    ([1, 5, 6], 40, 3),  # a context of its own
+    ([2, 11], 21, 3),
+    ([7], 5, 4),
+    ([12], 0, 2),  # the shared prefix and nothing of its own
+    ([1, 5, 6], 40, 3),
 ]
-NUM_BLOCKS = 14
+NUM_BLOCKS = 17
+
+
+def context_lens(shared: list[int]) -> list[int]:
+    return [(len(shared) * BS if i < 3 else 0) + private for i, (_, private, _) in enumerate(REQUESTS)]
 
 
 def _path() -> Any:
@@ -119,15 +125,15 @@ def _block_table(rows: list[list[int]]) -> Any:
 class Step:
     """One step's inputs (written into a paged cache) and each request's float64 expectation."""
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, shared: list[int] = SHARED) -> None:
         gen = torch.Generator().manual_seed(11)
         dtype = torch.bfloat16
         self.layer = layer
         self.w = (torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.05).to(dtype)
         layer.kv_b_proj.weight.data = self.w
         self.cache = torch.randn(NUM_BLOCKS, BS, LORA + ROPE, generator=gen).to(dtype)
-        self.rows = [(SHARED + own if i < 3 else own) for i, (own, _, _) in enumerate(REQUESTS)]
-        self.ctx = [c for _, c, _ in REQUESTS]
+        self.rows = [(shared + own if i < 3 else own) for i, (own, _, _) in enumerate(REQUESTS)]
+        self.ctx = context_lens(shared)
         self.new = [n for _, _, n in REQUESTS]
         heads = layer.num_heads
         self.q = torch.randn(sum(self.new), heads, NOPE + ROPE, generator=gen).to(dtype)
@@ -160,14 +166,16 @@ class Step:
         return torch.cat(out).reshape(sum(self.new), -1)
 
 
-def run_step(cfg: Any, layer: Any, mla_module: Any, workspace: int = 64) -> dict[str, Any]:
+def run_step(
+    cfg: Any, layer: Any, mla_module: Any, workspace: int = 64, shared: list[int] = SHARED
+) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
 
     builder = make_builder(cfg, [layer], None)
     builder.chunked_prefill_workspace_size = workspace
     impl = layer.impl
     impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
-    step = Step(layer)
+    step = Step(layer, shared)
     with cpu_step_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
         metadata = builder.build(0, step.batch())
     output = torch.full((sum(step.new), layer.num_heads * DV), float("nan"), dtype=torch.bfloat16)
@@ -206,8 +214,27 @@ def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
     assert path.report()["steps_with_segments"] == before + 1  # the counter the benchmarks read
     assert result["shared"] is not None and len(result["shared"].plan.segments) == 1
     assert result["shared"].plan.segments[0].members == (0, 1, 2)
-    context = sum(c for _, c, _ in REQUESTS)
+    context = sum(context_lens(SHARED))
     assert result["projected_rows"] == result["new_tokens"] + context - 2 * 32  # 32 shared rows once
+    assert result["error"] <= TOLERANCE, result
+
+
+def test_a_shared_prefix_longer_than_the_workspace_takes_several_passes(
+    activated, model_dirs, small_groups_pay
+):
+    """80 shared tokens and a 64-row workspace: the segment runs in two passes, merged by LSE."""
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    result = run_step(cfg, build_layer(cfg, None), activated, shared=LONG_SHARED)
+    plan = result["shared"].plan
+    print(
+        "80 shared tokens:", len(plan.segment_passes), "segment passes,", len(plan.private_passes), "private"
+    )
+    assert len(plan.segment_passes) == 2 and plan.segments[0].num_tokens == 80
+    context = sum(context_lens(LONG_SHARED))
+    assert result["projected_rows"] == result["new_tokens"] + context - 2 * 80
     assert result["error"] <= TOLERANCE, result
 
 
@@ -219,7 +246,7 @@ def test_a_prefix_too_small_to_pay_is_left_to_vllm(activated, model_dirs):
     cfg = host.make_vllm_config(model_dirs["yarn"])
     result = run_step(cfg, build_layer(cfg, None), activated)
     assert result["shared"] is None
-    assert result["projected_rows"] == result["new_tokens"] + sum(c for _, c, _ in REQUESTS)
+    assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
     assert result["error"] <= TOLERANCE, result
 
 
@@ -235,7 +262,7 @@ def test_turned_off_the_step_runs_vllms_own_context_path(
     layer = build_layer(cfg, None)
     result = run_step(cfg, layer, activated)
     assert result["shared"] is None
-    assert result["projected_rows"] == result["new_tokens"] + sum(c for _, c, _ in REQUESTS)
+    assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
     assert result["error"] <= TOLERANCE, result
     lines = [r.getMessage() for r in addon_log if "shared-prefix" in r.getMessage()]
     assert any("off (turned off by MLA_PREFILL_SHARED_PREFIX)" in line for line in lines), lines
