@@ -35,6 +35,15 @@ def raw(module: Any, path: str) -> Any:
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
 
+def chain(obj: Any) -> list[Any]:
+    """The wrappers around a function, outermost first (the patch's, then the shared-prefix path's on
+    the builder's ``build``), and the function itself last."""
+    out = [obj]
+    while isinstance(out[-1], wrapt.FunctionWrapper):
+        out.append(out[-1].__wrapped__)
+    return out
+
+
 def assert_only_the_guard(module: Any, missing: str | None = None) -> None:
     """Nothing patched; MLAAttention.__init__ carries only the explicit-choice guard."""
     for path in WRAPPED:
@@ -74,7 +83,7 @@ def test_wrappers_on_the_real_classes(mla_module):
 
 @pytest.mark.vllm_patch
 def test_deactivate_removes_every_wrapper_and_activate_restores(mla_module):
-    originals = {path: raw(mla_module, path).__wrapped__ for path in WRAPPED}
+    originals = {path: chain(raw(mla_module, path))[-1] for path in WRAPPED}
     mla_prefill_ext.deactivate()
     assert not patches.is_instrumented() and not activation.is_active()
     for path in WRAPPED:
@@ -87,12 +96,13 @@ def test_deactivate_removes_every_wrapper_and_activate_restores(mla_module):
 
 @pytest.mark.vllm_patch
 def test_activating_twice_wraps_once(mla_module):
+    depth = {path: len(chain(raw(mla_module, path))) for path in WRAPPED}
     mla_prefill_ext.activate()
     mla_prefill_ext.activate()
     patches.instrument(mla_module)
     for path in WRAPPED:
-        outer = raw(mla_module, path)
-        assert not isinstance(outer.__wrapped__, wrapt.FunctionWrapper), path
+        # One wrapper of the patch's on each target; the builder's build also the shared-prefix path's.
+        assert len(chain(raw(mla_module, path))) == depth[path] == (3 if path.endswith(".build") else 2), path
 
 
 @pytest.mark.vllm_patch

@@ -399,3 +399,28 @@ def test_the_builder_splits_a_routed_step_at_the_lowered_threshold(activated, mo
     # At 512 vLLM counts leading short extends as decodes (here 1: this builder wants uniform
     # decode lengths and the next request has another); routed, every one is a prefill.
     assert split[None][0] >= 1 and split[1] == (0, 4), split
+
+
+def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activated):
+    import wrapt
+
+    import mla_prefill_ext
+    from mla_prefill_ext.hosts.core.shared_prefix import targets
+
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    owner_name, _, name = targets.context_path(activated).rpartition(".")
+    owner = getattr(activated, owner_name)
+    assert isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
+    mla_prefill_ext.deactivate()
+    try:
+        assert not path.instrumented and not path.wrappers.installed
+        assert not isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
+    finally:
+        mla_prefill_ext.activate()
+        if versions.decide().mode == versions.BRIDGE:
+            from mla_prefill_ext.hosts import vllm_0_23
+
+            importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
+    assert path.instrumented and isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
