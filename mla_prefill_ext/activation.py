@@ -49,7 +49,12 @@ def _on_imported(module: ModuleType) -> None:
 def _instrument_shared_prefix(mla_module: ModuleType) -> None:
     """The shared-prefix path, on either host, after the host's own wrappers (it reads what they set)."""
     from mla_prefill_ext.hosts.core.shared_prefix.instrumentor import INSTRUMENTOR
+    from mla_prefill_ext.settings import shared_prefix_setting
 
+    try:
+        shared_prefix_setting(None)  # the environment's switch: refused at start, not on a first step
+    except ValueError as e:
+        raise RuntimeError(f"mla-prefill-ext: {e}") from None
     INSTRUMENTOR.instrument(mla_module)
 
 

@@ -359,7 +359,7 @@ def cmd_info(args: argparse.Namespace) -> Report:
     ]
     findings += runtime.bytecode_findings()
     shared_prefix = hosts.shared_prefix_report(disabled)
-    if shared_prefix["problem"]:
+    if shared_prefix["problem"] and not any(shared_prefix["reason"] in r for r in refusals):
         findings.append(Finding("problem", f"{shared_prefix['reason']}."))
 
     return InfoReport(

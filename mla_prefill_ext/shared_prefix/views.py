@@ -70,8 +70,10 @@ def attach_private_chunks(plan: ContextPlan, prefill_metadata: Any) -> None:
 class SegmentInstance:
     """One builder's instance for shared segments: a clone of its step backend, made once.
 
-    Made where the builder makes its own instances, with its ``device``: the clone's kernel
-    workspace is then reserved before vLLM sizes the KV cache, as the step instance's is.
+    Made with the builder's ``device`` at the builder's first build (the host does so at engine
+    start: CUDA graph capture or the first step), so that the clone's kernel workspace is reserved
+    then, not on the first step with a shared prefix. It comes after vLLM sized the KV cache: it
+    lives in the memory vLLM leaves outside its budget (FlashInfer's: 394 MiB per builder).
     """
 
     def __init__(self, step_backend: MLAPrefillBackend, device: torch.device | None = None) -> None:

@@ -73,10 +73,10 @@ def activated(clean_selection: pytest.MonkeyPatch) -> Any:
 @pytest.fixture
 def small_groups_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any shared block is worth a segment (this step's 32 shared tokens are far below the guard)."""
-    from mla_prefill_ext.hosts.core.shared_prefix import step
+    from mla_prefill_ext.hosts.core.shared_prefix import costs
     from mla_prefill_ext.shared_prefix import FlopCostModel
 
-    monkeypatch.setattr(step, "COST_MODEL", FlopCostModel())
+    monkeypatch.setattr(costs, "GROUP_VALUE", FlopCostModel())
 
 
 def _accepted(cls: type, **kwargs: Any) -> dict[str, Any]:
@@ -424,3 +424,40 @@ def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activ
 
             importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
     assert path.instrumented and isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
+
+
+def test_a_failure_while_planning_leaves_vllms_own_step(activated, model_dirs, small_groups_pay, monkeypatch):
+    """Preparing the shared segments fails: the step runs vLLM's own context path with vLLM's own
+    chunks, correctly (an ERROR line says so), never with the private chunks half attached."""
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    original = TorchSDPAPrefillBackend.prepare_metadata
+    failed = []
+
+    def prepare_metadata(self, prefill):
+        if type(prefill).__name__ == "SegmentStep" and not failed:
+            failed.append(True)
+            raise RuntimeError("out of memory (a test's)")
+        return original(self, prefill)
+
+    monkeypatch.setattr(TorchSDPAPrefillBackend, "prepare_metadata", prepare_metadata)
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    result = run_step(cfg, build_layer(cfg, None), activated)
+    assert failed and result["shared"] is None
+    assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
+    assert result["error"] <= TOLERANCE, result
+
+
+def test_short_extends_with_private_contexts_behind_one_shared_header_stay_put(activated):
+    """One common 16-token block (a chat template) is not worth a segment: no routing either."""
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    requests, scheduled = [], {}
+    for i in range(16):
+        private = list(range(100 + 300 * i, 100 + 300 * i + 256))
+        requests.append(([1, *private], 257 * BS, 257 * BS + 256))
+        scheduled[f"r{i}"] = 256
+    assert routing.step_threshold(_input_batch(requests), scheduled, 512) is None

@@ -15,8 +15,10 @@ def config(model_dirs, clean_selection):
 
 
 def test_on_by_default(config):
-    assert switch.decide(config) == switch.PathDecision(True, switch.decide(config).reason)
-    assert switch.decide(config).on
+    assert switch.decide(config) == (
+        True,
+        "shared cached prefixes of a step's prefill requests are worked once per layer",
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off", "No"])
@@ -45,7 +47,8 @@ def test_a_value_that_is_not_a_switch_stops_the_engine_naming_its_source(config,
     [
         ("cache_config", "cache_dtype", "fp8", "the KV cache is fp8 (an FP8 cache is not served yet)"),
         ("parallel_config", "decode_context_parallel_size", 2, "decode context parallelism is on"),
-        ("parallel_config", "enable_dbo", True, "dual-batch overlap is on"),
+        ("parallel_config", "prefill_context_parallel_size", 2, "prefill context parallelism is on"),
+        ("parallel_config", "enable_dbo", True, "dual-batch overlap (micro-batching) is on"),
     ],
 )
 def test_each_exclusion_turns_it_off_with_its_reason(config, section, field, value, reason):
@@ -71,3 +74,26 @@ def test_one_info_line_per_process_and_decision(config, clean_selection, addon_l
     assert lines[1] == (
         "MLA shared-prefix prefill (mla-prefill-ext): off (turned off by MLA_PREFILL_SHARED_PREFIX)."
     )
+
+
+def test_an_invalid_switch_in_the_environment_stops_the_engine_when_vllms_mla_module_loads():
+    """As in an engine process: the add-on activated, vLLM's MLA module imported (the model's build)."""
+    from child_python import run_python
+
+    from mla_prefill_ext import versions
+
+    if versions.decide().mode == versions.NONE:
+        pytest.skip("no host on this vLLM")
+    proc = run_python(
+        """
+        import importlib, mla_prefill_ext
+        mla_prefill_ext.activate()
+        importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+        """,
+        MLA_PREFILL_SHARED_PREFIX="maybe",
+    )
+    assert proc.returncode != 0
+    assert (
+        "RuntimeError: mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use "
+        "1/true/on or 0/false/off"
+    ) in proc.stderr, proc.stderr[-3000:]

@@ -7,10 +7,13 @@ this package puts them where vLLM runs its own context path:
   INFO line per process saying which and why.
 * :mod:`.block_tables`: the host copy of the block table the runner hands the builder a device
   view of (found by address, no device sync).
-* :mod:`.targets`: the shape vLLM's context path must have (``MLACommonImpl._compute_prefill_context``
-  and the metadata builder's ``build``, as in vLLM 0.20.2-0.25.1); otherwise nothing is wrapped,
-  one line says so, and vLLM runs as it always does.
+* :mod:`.targets`: the shape vLLM's context path must have (``_compute_prefill_context`` on
+  ``MLACommonImpl``, on ``MLACommonBaseImpl`` from 0.29, and the metadata builder's ``build``, as in
+  vLLM 0.20.2, 0.25.1 and 0.33.0); otherwise nothing is wrapped, one line says so, and vLLM runs as
+  it always does.
+* :mod:`.costs`: which shared groups are worth a segment (the planner and the router agree).
 * :mod:`.step`: once per step, after vLLM's builder: the plan, the private chunks, the segment instance.
 * :mod:`.layer`: per layer, in place of ``_compute_prefill_context`` when the step has a plan.
+* :mod:`.routing`: short extends that share a prefix moved to the prefill path when cheaper.
 * :mod:`.instrumentor`: the wrappers, all or none, symmetric and idempotent.
 """

@@ -27,11 +27,35 @@ def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
     return kwargs[name] if name in kwargs else args[index]
 
 
+def _kv_b_proj_input(impl: Any) -> Any:
+    """``impl.kv_b_proj`` taking latent rows in the dtype vLLM's own context loop gives it.
+
+    vLLM 0.29+ has a helper for it; before, the loop casts to the weight's dtype unless the weight is
+    FP8 (the layer quantizes a model-dtype input itself) or packed uint8 (NVFP4).
+    """
+    import torch
+
+    kv_b_proj = impl.kv_b_proj
+    helper = getattr(sys.modules[MLA_MODULE], "_get_kv_b_proj_input_dtype", None)
+    if helper is not None:
+        dtype = helper(kv_b_proj, False)
+    else:
+        from vllm.platforms import current_platform
+
+        weight = getattr(kv_b_proj, "weight", None)
+        weight_dtype = weight.dtype if weight is not None else getattr(kv_b_proj, "params_dtype", None)
+        keep = weight_dtype in (current_platform.fp8_dtype(), torch.uint8) or weight is None
+        dtype = None if keep else weight_dtype
+    if dtype is None:
+        return kv_b_proj
+    return lambda latent: kv_b_proj(latent.to(dtype))
+
+
 def layer_context(impl: Any, kv_cache: Any, k_scale: Any, workspace: Any) -> LayerContext:
     """What the shared path reads of vLLM's impl for one call: its cache, projection, dims and merge."""
     return LayerContext(
         kv_cache=kv_cache,
-        kv_b_proj=impl.kv_b_proj,
+        kv_b_proj=_kv_b_proj_input(impl),
         dims=LatentLayout(impl.num_heads, impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim),
         workspace=workspace,
         # The merge kernel vLLM's own context loop calls: the MLA module's binding.

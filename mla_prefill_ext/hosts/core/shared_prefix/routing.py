@@ -9,8 +9,11 @@ reorders the batch, :func:`step_threshold` compares the two by FLOPs over all of
 short extends (those not in a group pay their own up-projection on the prefill path); when the
 prefill side costs less than :data:`ROUTE_BELOW` of the absorbed side, the step's decode
 threshold is lowered to 1 for the reorder and for the builders' split, so those requests become
-prefills. Everything else stays where vLLM puts it: true decodes (one new token), long extends,
-new prompts. Not with speculative decoding (its decodes have several tokens).
+prefills; so do the step's short new prompts (at most the threshold's tokens, no context), which
+vLLM counts as decodes when every request of the step is that short (their attention is over their
+own few tokens either way). Everything else stays where vLLM puts it: true decodes (one new token),
+long extends, long prompts. Groups are those the step planner forms (:mod:`.costs`), so a routed step
+has its shared segment. Not with speculative decoding (its decodes have several tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.hosts.core.shared_prefix import costs, switch
 from mla_prefill_ext.shared_prefix import find_shared_prefixes
 
 ROUTE_BELOW = 0.8
@@ -80,7 +83,7 @@ def step_threshold(input_batch: Any, num_scheduled_tokens: dict[str, int], thres
     table = batch.block_table[0]
     rows = table.block_table.np[:n][short]
     ctx, q = computed[short], scheduled[short]
-    groups = find_shared_prefixes(rows, ctx, table.block_size, q)
+    groups = find_shared_prefixes(rows, ctx, table.block_size, q, costs.GROUP_VALUE)
     if not groups:
         return None
     shared = np.zeros_like(ctx)

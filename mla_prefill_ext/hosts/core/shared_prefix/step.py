@@ -16,26 +16,22 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, routing, switch
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, routing, switch
 from mla_prefill_ext.shared_prefix import (
     ContextPlan,
-    FlopCostModel,
     SegmentInstance,
     accepts_shared_segments,
     attach_private_chunks,
+    find_shared_prefixes,
     plan_context,
 )
+from mla_prefill_ext.shared_prefix.views import CHUNKS_ATTR
 
 PLANNED = [0]  # steps that ran with shared segments, in this process (evidence for benchmarks)
 
 STEP_ATTR = "mla_shared_step"
+_ABSENT = object()
 """The prefill metadata's attribute holding the step's :class:`SharedStep` (absent: vLLM's path)."""
-
-# A segment costs a few extra launches per layer (gather, up-projection, attention, merge, the
-# member queries' gather): below about 2,000 shared token-rows saved (8.6 GFLOP of R1
-# up-projection at 16 heads) a group is not worth them. A guard from launch counts, not a
-# calibration.
-COST_MODEL = FlopCostModel(min_saved_flops=8.6e9)
 
 
 class SharedStep:
@@ -89,6 +85,18 @@ def step_backends(builder: Any, prefill: Any) -> dict[Hashable, tuple[Any, Calla
     return None
 
 
+def _make_segment_instances(builder: Any, state: _BuilderState) -> None:
+    """One segment instance per backend key, made at the builder's first build (engine start), so
+    that its workspace is reserved then, not on the first step with a shared prefix."""
+    runners = builder.__dict__.get("_mla_prefill_runners")
+    if runners:
+        backends = dict(runners)
+    else:
+        backends = {None: builder._prefill_backend.inner}
+    for key, backend in backends.items():
+        state.segments[key] = SegmentInstance(backend, builder.device)
+
+
 def _backends_accept(builder: Any) -> bool | None:
     """Whether the builder's add-on instances all take shared segments (None: none made yet).
 
@@ -118,6 +126,7 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     if state.usable is None:
         state.usable = _backends_accept(instance)
         if state.usable:
+            _make_segment_instances(instance, state)
             routing.mark_usable()  # short extends may be routed here from now on (routing.py)
     prefill = getattr(metadata, "prefill", None)
     if prefill is None or getattr(prefill, "chunked_context", None) is None:
@@ -168,27 +177,47 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
     start, end = metadata.num_decodes, common.num_reqs
     loc = common.query_start_loc_cpu[start : end + 1]
     loc = loc - loc[0]
-    context_lens = seq_lens[start:end] - (loc[1:] - loc[:-1])
+    context_lens = (seq_lens[start:end] - (loc[1:] - loc[:-1])).numpy()
+    block_size = builder.kv_cache_spec.block_size
+    rows = rows[start:end]
+    qlens = (loc[1:] - loc[:-1]).numpy()
+    # Most steps share nothing: find out before building any chunk.
+    if not find_shared_prefixes(rows, context_lens, block_size, qlens, costs.GROUP_VALUE):
+        return
     plan = plan_context(
-        rows[start:end],
-        context_lens.numpy(),
+        rows,
+        context_lens,
         loc.numpy(),
-        builder.kv_cache_spec.block_size,
+        block_size,
         builder.chunked_prefill_workspace_size,
-        value=COST_MODEL,
+        value=costs.GROUP_VALUE,
     )
     if not plan.has_segments:
         return
-    attach_private_chunks(plan, prefill)
     device = prefill.query_start_loc.device
-    instances = {}
-    for key, (backend, prepare) in backends.items():
-        prepare(prefill)  # the private chunks, in place of vLLM's
+    # What can fail comes first, while the prefill metadata is still vLLM's own.
+    segments = {}
+    for key, (backend, _) in backends.items():
         segment = state.segments.get(key)
         if segment is None:
             segment = state.segments[key] = SegmentInstance(backend, device)
-        instances[key] = (backend, segment.prepare(plan, prefill))
-    setattr(prefill, STEP_ATTR, SharedStep(plan.to(device), instances))
+        segments[key] = segment.prepare(plan, prefill)
+    shared = SharedStep(plan.to(device), {key: (b, segments[key]) for key, (b, _) in backends.items()})
+    previous = prefill.__dict__.get(CHUNKS_ATTR, _ABSENT)
+    attach_private_chunks(plan, prefill)
+    try:
+        for _, prepare in backends.values():
+            prepare(prefill)  # the private chunks, in place of vLLM's
+    except BaseException:
+        # Back to vLLM's own chunks, for vLLM's own loop, before the failure is reported.
+        if previous is _ABSENT:
+            prefill.__dict__.pop(CHUNKS_ATTR, None)
+        else:
+            setattr(prefill, CHUNKS_ATTR, previous)
+        for _, prepare in backends.values():
+            prepare(prefill)
+        raise
+    setattr(prefill, STEP_ATTR, shared)
     PLANNED[0] += 1
     if PLANNED[0] == 1:
         s = plan.segments[0]

@@ -33,8 +33,8 @@ def exclusions(vllm_config: Any) -> list[str]:
         reasons.append("decode context parallelism is on (not served yet)")
     if (getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
         reasons.append("prefill context parallelism is on (not served yet)")
-    if getattr(parallel, "enable_dbo", False):
-        reasons.append("dual-batch overlap is on (not served yet)")
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "use_ubatching", False):
+        reasons.append("dual-batch overlap (micro-batching) is on (not served yet)")
     return reasons
 
 
