@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The shared-prefix path on one GPU, in parts that each fit one call of a few minutes:
+#   bash scripts/gpu_shared_prefix_suite.sh OUT bench    # engine, R1 slice, eager: stock vs FLASH_ATTN (path on),
+#                                                       # shared 32k prefix and private contexts, with the path's
+#                                                       # counters (steps with segments, steps routed)
+#   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, the path on,
+#                                                       # both wrong-path mutants; then their verdicts
+#   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
+#                                                       # absorbed (the router's calibration)
+# Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
+# docs/benchmarks.md, section 11.
+set -u
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|parity|layer}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|parity|layer}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python=${PYTHON:-python}
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1
+"$python" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" >"$out/versions.txt" 2>/dev/null
+case $part in
+bench)
+  stamp "engine benchmark (eager)"
+  "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,FLASH_ATTN --scenarios shared,private \
+    --prefix-lens 32768 --points 16x32,16x128,16x512,8x1024 --private-points 16x128 --reps 3 --stop-after 480 \
+    --json "$out/engine-eager.json" >"$out/engine-eager.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-eager.log" | tail -20
+  ;;
+parity)
+  names=stock-shared,stock-shared-2,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse
+  stamp "scenarios $names"
+  "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" --model-dir "$out/sharp-checkpoint" \
+    --only "$names" >"$out/scenarios.log" 2>&1
+  stamp "verdicts over those scenarios"
+  MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_prefix.py \
+    -k "not chunks and not compiled and not off and not shared-3" >"$out/verdicts.txt" 2>&1
+  rc=$?
+  tail -15 "$out/verdicts.txt"
+  ;;
+layer)
+  stamp "one layer: vLLM's plan, shared, absorbed"
+  "$python" -m scripts.bench shared_prefix_layer --new 32,128,256,512 --json "$out/layer.json" >"$out/layer.log" 2>&1
+  rc=$?
+  tail -20 "$out/layer.log"
+  ;;
+*)
+  echo "unknown part '$part': bench, parity or layer" >&2
+  exit 2
+  ;;
+esac
+stamp "done: rc=$rc"
+exit "$rc"
