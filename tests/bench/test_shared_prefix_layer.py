@@ -190,3 +190,50 @@ def test_the_crossover_names_the_fastest_side_and_the_route_below_values_that_fi
     assert fits["consistent"] and fits["route_below_range"]["at_most"] is None
     lines = bench.crossover_lines(s)
     assert "(wrong)" in lines[3] and "no value agrees" in lines[-1]
+
+
+def _runner_batch(table, context_lens, new):
+    """vLLM's runner ``InputBatch`` (CPU) holding the bench's requests, ``new`` tokens scheduled each."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    bs = bench.BLOCK_SIZE
+    batch = InputBatch(
+        max_num_reqs=32,
+        max_model_len=16384,
+        max_num_batched_tokens=16384,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        vocab_size=1000,
+        block_sizes=[bs],
+        kernel_block_sizes=[bs],
+    )
+    for i, ctx in enumerate(context_lens):
+        batch.add_request(
+            CachedRequestState(
+                req_id=f"r{i}",
+                prompt_token_ids=list(range(ctx + new)),
+                mm_features=[],
+                sampling_params=SamplingParams(max_tokens=1),
+                generator=None,
+                block_ids=(table[i, : -(-(ctx + new) // bs)].tolist(),),
+                num_computed_tokens=ctx,
+                output_token_ids=[],
+            )
+        )
+    return batch, {f"r{i}": new for i in range(len(context_lens))}
+
+
+@pytest.mark.parametrize(
+    "requests, prefix, private, new",
+    [(16, 4096, 0, 32), (16, 4096, 64, 512), (2, 128, 0, 8), (16, 0, 2048, 512), (4, 1024, 0, 600)],
+)
+def test_the_prediction_decides_as_the_router_does_on_vllms_input_batch(requests, prefix, private, new):
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    table = bench.block_table(requests, prefix, private)
+    ctx = [prefix + private] * requests
+    decode = bench.decode_table(table, ctx, new, first_free=int(table.max()) + 1)
+    batch, scheduled = _runner_batch(decode, ctx, new)
+    routed = routing.step_threshold(batch, scheduled, bench.SHORT_EXTEND_MAX) == 1
+    assert bench.predicted_cost(table, ctx, new)["router_moves"] == routed
