@@ -1,31 +1,57 @@
 #!/usr/bin/env python3
-"""One MLA layer's context part for requests sharing a cached prefix: vLLM's plan vs the shared plan (GPU).
+"""One MLA layer's attention over cached context: vLLM's prefill plan, the shared plan, its decode path (GPU).
 
     python -m scripts.bench shared_prefix_layer [--backend FLASH_ATTN] [--requests 16] [--prefix 32768]
-        [--private 0] [--new 32,128,512,1024] [--repeats 10] [--json out.json]
+        [--private 0] [--private-only] [--new 32,128,512,1024] [--sides vllm,shared,absorbed]
+        [--num-splits 0] [--repeats 10] [--json out.json]
 
 DeepSeek-R1's MLA as one GPU of TP=8 sees it (16 heads, kv_lora 512, rope 64, nope 128, v 128),
 bf16, block size 64, vLLM's 64k-row context workspace. ``--requests`` prefill requests hold the
 same ``--prefix`` cached tokens (the same block ids, as prefix caching gives them), then
-``--private`` cached tokens of their own, and add ``--new`` tokens each. Both plans run through
-``mla_prefill_ext.shared_prefix.execute.compute_context`` with the same add-on backend (a subclass
-declaring ``accepts_shared_context_segments``), vLLM's gather kernel and ``merge_attn_states``:
+``--private`` cached tokens of their own, and add ``--new`` tokens each (``--private-only``: no
+shared prefix, each request only its own ``--private`` context). Three sides (``--sides``):
 
-* ``vllm``: vLLM's own plan (each request's whole context gathered and up-projected in workspace
-  passes, one varlen attention per pass);
+* ``vllm``: vLLM's own prefill plan (each request's whole context gathered and up-projected in
+  workspace passes, one varlen attention per pass);
 * ``shared``: the prefix gathered and up-projected once, one attention of every member's queries
-  over it, then each request's private context.
+  over it, then each request's private context;
+* ``absorbed``: what vLLM's decode path does with the same requests (short extends, at most 512
+  new tokens, are decodes for FLASH_ATTN_MLA on Hopper): ``q_nope x W_UK^T`` (one bmm, 128 -> 512
+  per head), FA3's causal varlen paged call over the latent cache with ``q_v`` exactly as
+  ``FlashAttnMLAImpl.forward_mqa`` makes it (``seqused_k`` = context + new tokens, whose latents
+  are in the cache as after vLLM's cache update; FA3 scheduler metadata from
+  ``get_scheduler_metadata`` as ``FlashAttnMLAMetadataBuilder._schedule_decode`` computes it, once
+  per step, not timed), then ``_v_up_proj``'s bmm with ``W_UV`` (512 -> 128 per head).
+  ``--num-splits``: the builder's ``max_num_splits`` (0, FA3 decides, unless full CUDA graphs are
+  on and the step's decode tokens fit the capture size: then
+  ``flash_attn_max_num_splits_for_cuda_graph``, 32 by default).
+
+``vllm`` and ``shared`` run through ``mla_prefill_ext.shared_prefix.execute.compute_context`` with
+the same add-on backend (a subclass declaring ``accepts_shared_context_segments``), vLLM's gather
+kernel and ``merge_attn_states``. They time the context part only; ``absorbed`` also covers the
+new tokens' attention to themselves (causal), which the prefill path does in a separate call (about
+N / (2 x context) of the context attention's work) not timed here.
 
 Times are medians of ``--repeats`` CUDA-event timings after two warm-up calls (planning, a
 host-side step done once per step in the builder, is not in them; ``plan_ms`` gives it). The
-outputs of the two plans are compared (largest |difference| of the output and the LSE), and a
-small case of the same kind is checked against float64 attention over each whole context.
+outputs of the two prefill plans are compared (largest |difference| of the output and the LSE), and
+a small case is checked against float64 attention: the plans over each whole context, the absorbed
+side (its output) over each whole sequence, causal.
+
+Crossover: per point, the fastest side, and the router's FLOP model
+(``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost`` over the groups the step planner
+forms) next to the measured ``absorbed_ms / shared_ms``. The router moves a step's short extends to
+the prefill path when prefill FLOPs < ``ROUTE_BELOW`` x absorbed FLOPs, i.e. when the predicted
+``absorbed / prefill`` exceeds 1 / ``ROUTE_BELOW``; ``route_below_range`` gives the values of
+``ROUTE_BELOW`` that would make that decision agree with the measurement at every point run.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import common
@@ -35,11 +61,36 @@ BLOCK_SIZE = 64
 WORKSPACE_ROWS = 65536  # vLLM 0.20's cap on the context workspace (min(max(8 x max_model_len, ...), 64k))
 
 
-def make_case(requests: int, prefix: int, private: int, new: int, device: Any, seed: int = 0) -> dict:
+SIDES = ("vllm", "shared", "absorbed")
+SHORT_EXTEND_MAX = 512  # FLASH_ATTN_MLA's reorder_batch_threshold: up to this many new tokens, a decode
+
+
+def parse_sides(text: str) -> tuple[str, ...]:
+    """``--sides``: some of vllm, shared, absorbed, comma-separated, each once (run in that order)."""
+    sides = tuple(s.strip().lower() for s in text.split(","))
+    for side in sides:
+        if side not in SIDES:
+            raise ValueError(f"unknown side {side!r} (sides: {', '.join(SIDES)})")
+    if len(set(sides)) != len(sides):
+        raise ValueError(f"a side is listed twice in {text!r}")
+    return sides
+
+
+def _sides_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_sides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def block_table(requests: int, prefix: int, private: int) -> Any:
+    """The step's block table (CPU, int32): the prefix's blocks, shared, then each request's own.
+
+    Columns past a request's context blocks hold the last block (one spare column).
+    """
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    bs, d = BLOCK_SIZE, R1_TP8
+    bs = BLOCK_SIZE
     prefix_blocks, private_blocks = prefix // bs, -(-private // bs)
     blocks = prefix_blocks + requests * private_blocks + 1
     width = prefix_blocks + private_blocks + 1
@@ -50,16 +101,61 @@ def make_case(requests: int, prefix: int, private: int, new: int, device: Any, s
         table[r, prefix_blocks : prefix_blocks + private_blocks] = torch.arange(
             first, first + private_blocks, dtype=torch.int32
         )
+    return table
+
+
+def decode_table(table: Any, context_lens: Sequence[int], new: int, first_free: int) -> Any:
+    """Block table of the decode path: each request's context blocks, then its new tokens' own blocks.
+
+    The new tokens continue the context (its partly filled last block first), their blocks numbered
+    from ``first_free``; unused columns hold 0 (as vLLM's block table does).
+    """
+    import torch
+
+    bs = BLOCK_SIZE
+    rows = []
+    for r, ctx in enumerate(context_lens):
+        have, need = -(-ctx // bs), -(-(ctx + new) // bs)
+        rows.append(table[r, :have].tolist() + list(range(first_free, first_free + need - have)))
+        first_free += need - have
+    out = torch.zeros((len(rows), max(map(len, rows))), dtype=torch.int32)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return out
+
+
+def make_case(requests: int, prefix: int, private: int, new: int, device: Any, seed: int = 0) -> dict:
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    d = R1_TP8
+    table = block_table(requests, prefix, private)
+    blocks = int(table.max()) + 1
+    context_lens = [prefix + private] * requests
     latent = d["kv_lora_rank"] + d["qk_rope_head_dim"]
-    cache = torch.randn(blocks, bs, latent, generator=gen).to(device, torch.bfloat16)
+    cache = torch.randn(blocks, BLOCK_SIZE, latent, generator=gen)
     q_dim = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     q = torch.randn(requests * new, d["num_heads"], q_dim, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(
         d["num_heads"] * (d["qk_nope_head_dim"] + d["v_head_dim"]), d["kv_lora_rank"], generator=gen
     )
     w = (w / d["kv_lora_rank"] ** 0.5).to(device, torch.bfloat16)
+    # The new tokens' latents, in blocks after the context's: the decode path reads them from the
+    # cache (vLLM writes them there before attention); the prefill plans never touch them.
+    decode = decode_table(table, context_lens, new, first_free=blocks)
+    extra = int(decode.max()) + 1 - blocks
+    cache = torch.cat([cache, torch.randn(max(extra, 0), BLOCK_SIZE, latent, generator=gen)])
     loc = torch.arange(0, requests * new + 1, new, dtype=torch.int32)
-    return dict(table=table, context_lens=[prefix + private] * requests, loc=loc, cache=cache, q=q, w=w)
+    return dict(
+        table=table,
+        context_lens=context_lens,
+        loc=loc,
+        cache=cache.to(device, torch.bfloat16),
+        q=q,
+        w=w,
+        decode_table=decode,
+        seq_lens=[c + new for c in context_lens],
+    )
 
 
 def backend_class(name: str) -> type:
@@ -129,92 +225,404 @@ def timed(run: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def reference_errors(cls: type, device: Any) -> dict[str, float]:
-    """Both plans against float64 attention over each whole context, on a small case."""
+def absorbed_weights(w: Any) -> tuple[Any, Any]:
+    """(``W_UK_T`` [H, 128, 512], ``W_UV`` [H, 512, 128]) from ``kv_b_proj``'s weight, as vLLM makes them.
+
+    ``MLAAttention.process_weights_after_loading``: the weight transposed, viewed per head, split,
+    permuted; views of the weight, with the strides vLLM's bmms see.
+    """
+    d = R1_TP8
+    kv_b = w.T.view(d["kv_lora_rank"], d["num_heads"], d["qk_nope_head_dim"] + d["v_head_dim"])
+    w_uk, w_uv = kv_b.split([d["qk_nope_head_dim"], d["v_head_dim"]], dim=-1)
+    return w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
+
+
+def v_up_proj(x: Any, w_uv: Any, out: Any) -> None:
+    """``MLAAttention._v_up_proj`` (bf16 weights): [T, H, 512] x ``W_UV`` into ``out`` [T, H x 128]."""
+    import torch
+
+    d = R1_TP8
+    heads, v_dim = d["num_heads"], d["v_head_dim"]
+    x = x.view(-1, heads, d["kv_lora_rank"]).transpose(0, 1)
+    out = out.view(-1, heads, v_dim).transpose(0, 1)
+    torch.bmm(x, w_uv, out=out)
+    out_new = out.transpose(0, 1).reshape(-1, heads * v_dim)
+    n, b, v = out.shape
+    out.resize_((b, n * v))
+    out.copy_(out_new)
+
+
+def decode_metadata(case: dict, device: Any, num_splits: int, schedule: Callable | None) -> dict:
+    """What ``FlashAttnMLAMetadataBuilder._build_decode`` gives ``forward_mqa``, once per step.
+
+    ``schedule``: vLLM's ``get_scheduler_metadata`` (FA3's ahead-of-time schedule, as
+    ``_schedule_decode`` calls it), or None to leave scheduling to the kernel.
+    """
+    import torch
+
+    d = R1_TP8
+    loc = case["loc"]
+    query_start_loc = loc.to(device)
+    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=device)
+    max_query_len = int((loc[1:] - loc[:-1]).max())
+    max_seq_len = max(case["seq_lens"])
+    scheduler_metadata = None
+    if schedule is not None:
+        scheduler_metadata = schedule(
+            batch_size=seq_lens.shape[0],
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=d["num_heads"],
+            num_heads_kv=1,
+            headdim=d["qk_rope_head_dim"],
+            cache_seqlens=seq_lens,
+            qkv_dtype=case["cache"].dtype,
+            headdim_v=d["kv_lora_rank"],
+            page_size=BLOCK_SIZE,
+            cu_seqlens_q=query_start_loc,
+            causal=True,
+            num_splits=num_splits,
+        )
+    return dict(
+        block_table=case["decode_table"].to(device),
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        scheduler_metadata=scheduler_metadata,
+        max_num_splits=num_splits,
+    )
+
+
+def prepare_absorbed(
+    case: dict,
+    device: Any,
+    num_splits: int = 0,
+    attention: Callable | None = None,
+    schedule: Callable | None = None,
+) -> Callable[[], Any]:
+    """vLLM's decode path for the case's requests on one layer: a callable returning [T, H x 128].
+
+    Without ``attention``: vLLM's FA3 ``flash_attn_varlen_func`` and ``get_scheduler_metadata``
+    (GPU); with it (a reference kernel on a CPU), ``schedule`` (None: no scheduler metadata).
+    """
+    import torch
+
+    if attention is None:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+        attention, schedule = flash_attn_varlen_func, get_scheduler_metadata
+    d = R1_TP8
+    heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
+    w_uk_t, w_uv = absorbed_weights(case["w"])
+    meta = decode_metadata(case, device, num_splits, schedule)
+    cache, q = case["cache"], case["q"]
+    kv_c_cache, k_pe_cache = cache[..., :rank], cache[..., rank:]
+    scale = (nope + rope) ** -0.5
+    output = torch.empty(q.shape[0], heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
+
+    def run() -> torch.Tensor:
+        # MLAAttention.forward_impl, decode tokens (bf16 cache, no DCP)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        q_nope = q_nope.transpose(0, 1)
+        ql_nope = q_nope.new_empty((heads, q.shape[0], rank))
+        torch.bmm(q_nope, w_uk_t, out=ql_nope)
+        ql_nope = ql_nope.transpose(0, 1)
+        # FlashAttnMLAImpl.forward_mqa
+        attn_out = attention(
+            q=q_pe,
+            k=k_pe_cache.unsqueeze(-2),
+            v=kv_c_cache.unsqueeze(-2),
+            q_v=ql_nope,
+            max_seqlen_q=max(meta["max_query_len"], 1),
+            cu_seqlens_q=meta["query_start_loc"],
+            max_seqlen_k=meta["max_seq_len"],
+            seqused_k=meta["seq_lens"],
+            block_table=meta["block_table"],
+            softmax_scale=scale,
+            causal=True,
+            return_softmax_lse=False,
+            fa_version=3,
+            scheduler_metadata=meta["scheduler_metadata"],
+            num_splits=meta["max_num_splits"],
+            cp_world_size=1,
+            cp_rank=0,
+            cp_tot_seqused_k=None,
+        )
+        v_up_proj(attn_out, w_uv, output)
+        return output
+
+    return run
+
+
+def whole_reference(case: dict, decode: bool) -> tuple[Any, Any]:
+    """Float64 attention of each request's queries: over its context (non-causal; ``decode``:
+    over context + new tokens, causal), keys and values up-projected with ``kv_b_proj``."""
     import torch
 
     from mla_prefill_ext.testing.reference import reference_attention
 
     d = R1_TP8
+    heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
+    scale = (nope + rope) ** -0.5
+    table = case["decode_table"] if decode else case["table"]
+    lens = case["seq_lens"] if decode else case["context_lens"]
+    cache = case["cache"]
+    outs, lses = [], []
+    for r, c in enumerate(lens):
+        blocks = table[r, : -(-c // BLOCK_SIZE)].long().to(cache.device)
+        latent = cache[blocks].reshape(-1, cache.shape[-1])[:c]
+        kv = torch.nn.functional.linear(latent[:, :rank], case["w"]).double().view(c, heads, -1)
+        k_pe = latent[:, None, rank:].double().expand(c, heads, rope)
+        k = torch.cat([kv[..., :nope], k_pe], dim=-1)
+        qr = case["q"][int(case["loc"][r]) : int(case["loc"][r + 1])]
+        o, lse = reference_attention(qr, k, kv[..., nope:], scale, causal=decode)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> dict[str, float]:
+    """Each side against float64 attention, on a small case (4 requests, 1k shared + 200 private, 48 new)."""
     case = make_case(4, 1024, 200, 48, device, seed=1)
     out = {}
-    refs_o, refs_l = [], []
-    scale = (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5
-    for r in range(4):
-        c = case["context_lens"][r]
-        blocks = case["table"][r, : -(-c // BLOCK_SIZE)].long().to(device)
-        latent = case["cache"][blocks].reshape(-1, case["cache"].shape[-1])[:c]
-        kv = torch.nn.functional.linear(latent[:, : d["kv_lora_rank"]], case["w"]).double()
-        kv = kv.view(c, d["num_heads"], -1)
-        k_pe = latent[:, None, d["kv_lora_rank"] :].double().expand(c, d["num_heads"], d["qk_rope_head_dim"])
-        k = torch.cat([kv[..., : d["qk_nope_head_dim"]], k_pe], dim=-1)
-        v = kv[..., d["qk_nope_head_dim"] :]
-        qr = case["q"][int(case["loc"][r]) : int(case["loc"][r + 1])]
-        o, lse = reference_attention(qr, k, v, scale, causal=False)
-        refs_o.append(o)
-        refs_l.append(lse)
-    ref_o, ref_l = torch.cat(refs_o), torch.cat(refs_l, dim=1)
-    for shared in (False, True):
-        _, run = prepare(case, cls, shared, device)
-        o, lse = run()
-        name = "shared" if shared else "vllm"
-        out[f"{name}_out_err"] = (o.double() - ref_o.to(o.device)).abs().max().item()
-        out[f"{name}_lse_err"] = (lse.double() - ref_l.to(lse.device)).abs().max().item()
+    if "vllm" in sides or "shared" in sides:
+        ref_o, ref_l = whole_reference(case, decode=False)
+        for name in ("vllm", "shared"):
+            if name not in sides:
+                continue
+            _, run = prepare(case, cls, name == "shared", device)
+            o, lse = run()
+            out[f"{name}_out_err"] = (o.double() - ref_o.to(o.device)).abs().max().item()
+            out[f"{name}_lse_err"] = (lse.double() - ref_l.to(lse.device)).abs().max().item()
+    if "absorbed" in sides:
+        ref_o, _ = whole_reference(case, decode=True)
+        o = prepare_absorbed(case, device)()
+        out["absorbed_out_err"] = (o.double().view(ref_o.shape) - ref_o.to(o.device)).abs().max().item()
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[str, Any]:
+    """The router's FLOP model for these requests, each adding ``new`` tokens (``routing.step_threshold``).
+
+    Groups as the step planner forms them (``costs.GROUP_VALUE``); ``router_moves``: whether the
+    router would move them to the prefill path (short extends only, at least two, a group formed,
+    prefill FLOPs below ``ROUTE_BELOW`` of absorbed).
+    """
+    import numpy as np
+
+    from mla_prefill_ext.hosts.core.shared_prefix import costs, routing
+    from mla_prefill_ext.shared_prefix import find_shared_prefixes
+
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    q = np.full_like(ctx, new)
+    groups = find_shared_prefixes(np.asarray(table), ctx, BLOCK_SIZE, q, costs.GROUP_VALUE)
+    shared = np.zeros_like(ctx)
+    tokens = []
+    for g in groups:
+        t = g.num_blocks * BLOCK_SIZE
+        shared[list(g.members)] = t
+        tokens.append(t)
+    absorbed, prefill = routing.route_cost(q, ctx, shared, tokens)
+    short = 1 < new <= SHORT_EXTEND_MAX and ctx.shape[0] >= 2 and bool((ctx > 0).all())
+    return dict(
+        absorbed_flops=absorbed,
+        prefill_flops=prefill,
+        predicted_ratio=absorbed / prefill,
+        groups=len(groups),
+        short_extends=short,
+        router_moves=short and bool(groups) and prefill < routing.ROUTE_BELOW * absorbed,
+    )
+
+
+def point_row(
+    new: int,
+    times: dict[str, float],
+    plan_ms: float | None,
+    diffs: dict[str, float],
+    prediction: dict[str, Any],
+) -> dict[str, Any]:
+    """One point's record: the fields of earlier runs first (``new``, ``vllm_ms``, ``shared_ms``,
+    ``ratio``, ``plan_ms``, the two plans' differences), then the absorbed side and the prediction."""
+    row: dict[str, Any] = dict(new=new)
+    for side in ("vllm", "shared"):
+        if side in times:
+            row[f"{side}_ms"] = times[side]
+    if "vllm" in times and "shared" in times:
+        row["ratio"] = times["vllm"] / times["shared"]
+    if plan_ms is not None:
+        row["plan_ms"] = plan_ms
+    row.update(diffs)
+    if "absorbed" in times:
+        row["absorbed_ms"] = times["absorbed"]
+        for side in ("shared", "vllm"):
+            if side in times:
+                row[f"absorbed_over_{side}"] = times["absorbed"] / times[side]
+    row.update(prediction)
+    return row
+
+
+def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, Any]:
+    """Per point the fastest side and measured ``absorbed_ms / shared_ms`` against the predicted
+    ``absorbed / prefill`` FLOPs; the ``ROUTE_BELOW`` values that decide every point as measured.
+
+    The router moves a point's requests when predicted > 1 / ROUTE_BELOW; moving is right when
+    measured > 1. Points where it cannot move them (no group, not short extends) bound nothing.
+    ``route_below_range``: ROUTE_BELOW must be above ``above`` and at most ``at_most`` (None: no
+    bound from this run); ``consistent`` False when no value decides every point right.
+    """
+    points = []
+    above = at_most = None
+    for row in rows:
+        times = {s: row[f"{s}_ms"] for s in SIDES if f"{s}_ms" in row}
+        point = dict(
+            new=row["new"],
+            fastest=min(times, key=times.get) if times else None,
+            measured_ratio=row.get("absorbed_over_shared"),
+            predicted_ratio=row["predicted_ratio"],
+            router_moves=row["router_moves"],
+        )
+        measured = point["measured_ratio"]
+        if measured is not None:
+            point["measured_over_predicted"] = measured / row["predicted_ratio"]
+            if row["short_extends"] and row["groups"]:
+                point["router_right"] = row["router_moves"] == (measured > 1)
+                bound = 1 / row["predicted_ratio"]
+                if measured > 1:
+                    above = bound if above is None else max(above, bound)
+                else:
+                    at_most = bound if at_most is None else min(at_most, bound)
+        points.append(point)
+    consistent = above is None or at_most is None or above < at_most
+    return dict(
+        points=points,
+        route_below=route_below,
+        route_below_range=dict(above=above, at_most=at_most),
+        consistent=consistent,
+    )
+
+
+def crossover_lines(summary: dict[str, Any]) -> list[str]:
+    """The crossover as printed: one line per point, then the ROUTE_BELOW range."""
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        f"{'N':>6} {'fastest':>9} {'absorbed/shared':>16} {'predicted':>10} {'meas/pred':>10} {'router':>7}"
+    ]
+    for p in summary["points"]:
+        router = "moves" if p["router_moves"] else "stays"
+        if "router_right" in p:
+            router += "" if p["router_right"] else " (wrong)"
+        lines.append(
+            f"{p['new']:>6} {p['fastest'] or '-':>9} {num(p['measured_ratio'], '.2f'):>16} "
+            f"{p['predicted_ratio']:>10.2f} {num(p.get('measured_over_predicted'), '.2f'):>10} {router:>7}"
+        )
+    rng = summary["route_below_range"]
+    lines.append(
+        f"ROUTE_BELOW = {summary['route_below']}; agreeing with this run: above {num(rng['above'], '.3f')}, "
+        f"at most {num(rng['at_most'], '.3f')}" + ("" if summary["consistent"] else " (no value agrees)")
+    )
+    return lines
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = common.parser(__doc__)
     parser.add_argument("--backend", default="FLASH_ATTN")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--private", type=int, default=0)
+    parser.add_argument(
+        "--private-only", action="store_true", help="no shared prefix: each request only its own --private"
+    )
     parser.add_argument("--new", default="32,128,512,1024")
+    parser.add_argument(
+        "--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed (default: all three)"
+    )
+    parser.add_argument(
+        "--num-splits", type=int, default=0, help="the absorbed call's num_splits (vLLM's max_num_splits)"
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser()
     args = parser.parse_args(argv)
+    if args.private_only:
+        if args.private <= 0:
+            parser.error("--private-only needs --private > 0")
+        args.prefix = 0
+    if args.prefix % BLOCK_SIZE:
+        parser.error(f"--prefix must be a multiple of the block size ({BLOCK_SIZE})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import time
 
     import torch
 
     import mla_prefill_ext
+    from mla_prefill_ext.hosts.core.shared_prefix.routing import ROUTE_BELOW
 
     mla_prefill_ext.activate()
     device = torch.device("cuda")
+    sides = args.sides
     cls = backend_class(args.backend)
-    accuracy = reference_errors(cls, device)
+    accuracy = reference_errors(cls, device, sides)
     print("against float64 (4 requests, 1k shared + 200 private, 48 new):", accuracy, flush=True)
+    header = ["N", *(f"{s} ms" for s in sides)]
+    if "vllm" in sides and "shared" in sides:
+        header += ["ratio", "plan ms", "max|dout|", "max|dlse|"]
+    header += [f"absorbed/{s}" for s in ("shared", "vllm") if "absorbed" in sides and s in sides]
+    print(" ".join(f"{h:>12}" for h in header))
     rows = []
-    header = ("N", "vllm ms", "shared ms", "ratio", "plan ms", "max|dout|", "max|dlse|")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (6, 9, 10, 7, 8, 10, 10), strict=True)))
     for new in map(int, args.new.split(",")):
         case = make_case(args.requests, args.prefix, args.private, new, device)
-        results = {}
-        for shared in (False, True):
-            t0 = time.perf_counter()
-            _, run = prepare(case, cls, shared, device)
-            plan_ms = (time.perf_counter() - t0) * 1e3
-            results[shared] = (timed(run, args.repeats), plan_ms, run())
-        (t_v, _, (o_v, l_v)), (t_s, p_s, (o_s, l_s)) = results[False], results[True]
-        row = dict(
-            new=new,
-            vllm_ms=t_v,
-            shared_ms=t_s,
-            ratio=t_v / t_s,
-            plan_ms=p_s,
-            max_out_diff=(o_v.float() - o_s.float()).abs().max().item(),
-            max_lse_diff=(l_v - l_s).abs().max().item(),
-        )
+        times, outs, plan_ms = {}, {}, None
+        for side in sides:
+            if side == "absorbed":
+                run = prepare_absorbed(case, device, args.num_splits)
+            else:
+                t0 = time.perf_counter()
+                _, run = prepare(case, cls, side == "shared", device)
+                if side == "shared":
+                    plan_ms = (time.perf_counter() - t0) * 1e3
+            times[side] = timed(run, args.repeats)
+            if side != "absorbed":
+                outs[side] = run()
+        diffs = {}
+        if "vllm" in outs and "shared" in outs:
+            (o_v, l_v), (o_s, l_s) = outs["vllm"], outs["shared"]
+            diffs = dict(
+                max_out_diff=(o_v.float() - o_s.float()).abs().max().item(),
+                max_lse_diff=(l_v - l_s).abs().max().item(),
+            )
+        row = point_row(new, times, plan_ms, diffs, predicted_cost(case["table"], case["context_lens"], new))
         rows.append(row)
-        print(
-            f"{new:>6} {t_v:>9.3f} {t_s:>10.3f} {t_v / t_s:>6.2f}x {p_s:>8.2f} "
-            f"{row['max_out_diff']:>10.4f} {row['max_lse_diff']:>10.4f}",
-            flush=True,
-        )
-        del case, results, o_v, o_s
+        cells = [str(new), *(f"{times[s]:.3f}" for s in sides)]
+        if diffs:
+            cells += [f"{row['ratio']:.2f}x", f"{plan_ms:.2f}", f"{diffs['max_out_diff']:.4f}"]
+            cells += [f"{diffs['max_lse_diff']:.4f}"]
+        cells += [
+            f"{row[f'absorbed_over_{s}']:.2f}x" for s in ("shared", "vllm") if f"absorbed_over_{s}" in row
+        ]
+        print(" ".join(f"{c:>12}" for c in cells), flush=True)
+        del case, outs
         torch.cuda.empty_cache()
-    config = dict(vars(args), block_size=BLOCK_SIZE, workspace_rows=WORKSPACE_ROWS, dims=R1_TP8)
-    common.write_json(args.json, common.record(shared_prefix_layer=rows, accuracy=accuracy, config=config))
+    summary = crossover(rows, ROUTE_BELOW)
+    print("\n".join(crossover_lines(summary)), flush=True)
+    config = dict(
+        vars(args), sides=list(sides), block_size=BLOCK_SIZE, workspace_rows=WORKSPACE_ROWS, dims=R1_TP8
+    )
+    common.write_json(
+        args.json,
+        common.record(shared_prefix_layer=rows, accuracy=accuracy, crossover=summary, config=config),
+    )
     return 0
 
 

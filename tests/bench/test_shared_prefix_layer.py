@@ -1,0 +1,239 @@
+"""The shared-prefix layer benchmark's parts that run without a GPU: its options, the absorbed side's
+inputs and call (vLLM's FA3 call replaced by a float64 paged latent attention), the router's FLOP
+prediction for a point and the crossover summary.
+
+Its numbers come from the GPU host (docs/benchmarks.md, "Shared-prefix context path, one layer").
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from scripts.bench import shared_prefix_layer as bench
+
+pytestmark = pytest.mark.vllm_patch  # the script records vLLM 0.20.2's FLASH_ATTN_MLA call
+
+
+# --- options ------------------------------------------------------------------------------------
+
+
+def test_all_three_sides_run_by_default_and_a_subset_in_the_order_given():
+    assert bench.parse_args([]).sides == ("vllm", "shared", "absorbed")
+    assert bench.parse_args(["--sides", "absorbed, SHARED"]).sides == ("absorbed", "shared")
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--sides", "vllm,decode"], "unknown side 'decode'"),
+        (["--sides", "vllm,vllm"], "listed twice"),
+        (["--private-only"], "--private-only needs --private > 0"),
+        (["--prefix", "1000"], "multiple of the block size"),
+    ],
+)
+def test_options_that_cannot_be_run_are_refused(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert error in capsys.readouterr().err
+
+
+def test_private_only_drops_the_shared_prefix():
+    args = bench.parse_args(["--private", "8192", "--private-only"])
+    assert (args.prefix, args.private) == (0, 8192)
+    table = bench.block_table(args.requests, args.prefix, args.private)
+    rows = [set(r[:128].tolist()) for r in table]
+    assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1 :])  # no block in two requests
+
+
+# --- the absorbed side --------------------------------------------------------------------------
+
+
+def paged_latent_attention(calls, **kw):
+    """Float64 stand-in for FA3's paged varlen call with ``q_v`` (causal bottom-right), [T, H, 512]."""
+    calls.append(kw)
+    q, q_v, k, v = kw["q"], kw["q_v"], kw["k"][:, :, 0], kw["v"][:, :, 0]
+    page = k.shape[1]
+    cu, used, table = kw["cu_seqlens_q"].tolist(), kw["seqused_k"].tolist(), kw["block_table"]
+    outs = []
+    for r, n in enumerate(used):
+        pages = table[r, : -(-n // page)].long()
+        kr, vr = (
+            k[pages].reshape(-1, k.shape[-1])[:n].double(),
+            v[pages].reshape(-1, v.shape[-1])[:n].double(),
+        )
+        qs = slice(cu[r], cu[r + 1])
+        s = (q[qs].double() @ kr.T + q_v[qs].double() @ vr.T) * kw["softmax_scale"]  # [Lq, H, n]
+        lq = s.shape[0]
+        if kw["causal"]:
+            mask = torch.ones(lq, n, dtype=torch.bool).triu(n - lq + 1)
+            s = s.masked_fill(mask[:, None, :], float("-inf"))
+        outs.append(torch.softmax(s, dim=-1) @ vr)
+    return torch.cat(outs).to(q.dtype)
+
+
+@pytest.mark.parametrize("private", [200, 128])  # new tokens starting in a partly filled block, and not
+def test_the_absorbed_side_is_attention_over_context_and_new_tokens(private):
+    case = bench.make_case(3, 256, private, 40, "cpu", seed=2)
+    calls = []
+    run = bench.prepare_absorbed(case, "cpu", attention=lambda **kw: paged_latent_attention(calls, **kw))
+    out = run().view(case["q"].shape[0], bench.R1_TP8["num_heads"], -1).double()
+    ref, _ = bench.whole_reference(case, decode=True)
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    context_only, _ = bench.whole_reference(case, decode=False)
+    assert (out - context_only).abs().max() > 0.1 * ref.abs().max()  # the new tokens' own keys count
+    (call,) = calls
+    assert call["seqused_k"].tolist() == [256 + private + 40] * 3
+    assert call["causal"] and call["fa_version"] == 3 and call["num_splits"] == 0
+    assert call["q_v"].shape == (120, 16, 512) and call["q"].shape == (120, 16, 64)
+
+
+def test_the_decode_table_gives_each_request_its_own_new_blocks():
+    table = bench.block_table(2, 128, 100)  # 2 shared blocks, 2 private each (the second partly filled)
+    decode = bench.decode_table(table, [228, 228], 100, first_free=7)
+    assert decode.tolist() == [[0, 1, 2, 3, 7, 8], [0, 1, 4, 5, 9, 10]]
+
+
+def _keywords(func, callee: str) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(callee)]
+    assert len(calls) == 1
+    return {k.arg for k in calls[0].keywords}
+
+
+def test_the_absorbed_call_passes_what_vllms_flash_attn_mla_passes():
+    from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLAImpl, FlashAttnMLAMetadataBuilder
+
+    case = bench.make_case(2, 128, 64, 8, "cpu")
+    calls, schedules = [], []
+    bench.prepare_absorbed(
+        case,
+        "cpu",
+        num_splits=32,
+        attention=lambda **kw: paged_latent_attention(calls, **kw),
+        schedule=lambda **kw: schedules.append(kw),
+    )()
+    assert set(calls[0]) == _keywords(FlashAttnMLAImpl.forward_mqa, "flash_attn_varlen_func")
+    assert set(schedules[0]) == _keywords(
+        FlashAttnMLAMetadataBuilder._schedule_decode, "get_scheduler_metadata"
+    )
+    assert schedules[0]["num_splits"] == calls[0]["num_splits"] == 32
+    assert (schedules[0]["headdim"], schedules[0]["headdim_v"], schedules[0]["page_size"]) == (64, 512, 64)
+
+
+# --- the prediction and the crossover -----------------------------------------------------------
+
+
+def test_the_prediction_is_the_routers_flop_model_with_the_prefix_up_projected_once():
+    table = bench.block_table(16, 32768, 0)
+    p = bench.predicted_cost(table, [32768] * 16, 32)
+    attention = 16 * 32 * 32768  # (query, context token) pairs, per head
+    assert p["absorbed_flops"] == 2 * (576 + 512) * attention
+    assert p["prefill_flops"] == 2 * (192 + 128) * attention + 2 * 512 * 256 * 32768  # one up-projection
+    assert (p["groups"], p["short_extends"], p["router_moves"]) == (1, True, True)
+    assert p["predicted_ratio"] == pytest.approx(p["absorbed_flops"] / p["prefill_flops"])
+
+
+def test_private_contexts_and_long_extends_are_not_moved():
+    private = bench.predicted_cost(bench.block_table(16, 0, 8192), [8192] * 16, 512)
+    assert private["groups"] == 0 and not private["router_moves"]
+    assert private["prefill_flops"] == 2 * 320 * 16 * 512 * 8192 + 2 * 512 * 256 * 16 * 8192
+    long = bench.predicted_cost(bench.block_table(16, 32768, 0), [32768] * 16, 1024)
+    assert long["groups"] == 1 and not long["short_extends"] and not long["router_moves"]
+
+
+def row(new, vllm, shared, absorbed, predicted, groups=1):
+    prediction = dict(
+        absorbed_flops=predicted,
+        prefill_flops=1.0,
+        predicted_ratio=predicted,
+        groups=groups,
+        short_extends=new <= 512,
+        router_moves=new <= 512 and groups > 0 and predicted > 1 / 0.8,
+    )
+    times = {k: v for k, v in dict(vllm=vllm, shared=shared, absorbed=absorbed).items() if v is not None}
+    return bench.point_row(new, times, 1.0, {}, prediction)
+
+
+def test_a_row_keeps_the_fields_of_earlier_runs_and_adds_the_absorbed_side():
+    r = row(32, 10.0, 1.0, 2.5, 1.9)
+    assert list(r)[:5] == ["new", "vllm_ms", "shared_ms", "ratio", "plan_ms"]
+    assert (r["ratio"], r["absorbed_ms"], r["absorbed_over_shared"], r["absorbed_over_vllm"]) == (
+        10.0,
+        2.5,
+        2.5,
+        0.25,
+    )
+    only = row(32, None, None, 2.5, 1.9)
+    assert "ratio" not in only and "absorbed_over_shared" not in only and only["absorbed_ms"] == 2.5
+
+
+def test_the_crossover_names_the_fastest_side_and_the_route_below_values_that_fit():
+    rows = [
+        row(32, 10.0, 1.0, 2.0, 1.9),  # shared faster: ROUTE_BELOW must be above 1/1.9
+        row(128, 10.0, 2.0, 3.0, 2.8),
+        row(512, 10.0, 5.0, 4.0, 4.0),  # absorbed faster: at most 1/4.0
+        row(1024, 10.0, 8.0, 9.0, 5.0),  # not a short extend: bounds nothing
+        row(256, 3.0, 3.0, 1.0, 9.0, groups=0),  # no group: the router cannot move it
+    ]
+    s = bench.crossover(rows, 0.8)
+    assert [p["fastest"] for p in s["points"]] == ["shared", "shared", "absorbed", "shared", "absorbed"]
+    assert s["route_below_range"] == dict(above=pytest.approx(1 / 1.9), at_most=pytest.approx(0.25))
+    assert not s["consistent"]  # the model ranks 512 above 32, the GPU the other way
+    assert [p.get("router_right") for p in s["points"]] == [True, True, False, None, None]
+    assert s["points"][0]["measured_over_predicted"] == pytest.approx(2.0 / 1.9)
+    fits = bench.crossover(rows[:2], 0.8)
+    assert fits["consistent"] and fits["route_below_range"]["at_most"] is None
+    lines = bench.crossover_lines(s)
+    assert "(wrong)" in lines[3] and "no value agrees" in lines[-1]
+
+
+def _runner_batch(table, context_lens, new):
+    """vLLM's runner ``InputBatch`` (CPU) holding the bench's requests, ``new`` tokens scheduled each."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    bs = bench.BLOCK_SIZE
+    batch = InputBatch(
+        max_num_reqs=32,
+        max_model_len=16384,
+        max_num_batched_tokens=16384,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        vocab_size=1000,
+        block_sizes=[bs],
+        kernel_block_sizes=[bs],
+    )
+    for i, ctx in enumerate(context_lens):
+        batch.add_request(
+            CachedRequestState(
+                req_id=f"r{i}",
+                prompt_token_ids=list(range(ctx + new)),
+                mm_features=[],
+                sampling_params=SamplingParams(max_tokens=1),
+                generator=None,
+                block_ids=(table[i, : -(-(ctx + new) // bs)].tolist(),),
+                num_computed_tokens=ctx,
+                output_token_ids=[],
+            )
+        )
+    return batch, {f"r{i}": new for i in range(len(context_lens))}
+
+
+@pytest.mark.parametrize(
+    "requests, prefix, private, new",
+    [(16, 4096, 0, 32), (16, 4096, 64, 512), (2, 128, 0, 8), (16, 0, 2048, 512), (4, 1024, 0, 600)],
+)
+def test_the_prediction_decides_as_the_router_does_on_vllms_input_batch(requests, prefix, private, new):
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    table = bench.block_table(requests, prefix, private)
+    ctx = [prefix + private] * requests
+    decode = bench.decode_table(table, ctx, new, first_free=int(table.max()) + 1)
+    batch, scheduled = _runner_batch(decode, ctx, new)
+    routed = routing.step_threshold(batch, scheduled, bench.SHORT_EXTEND_MAX) == 1
+    assert bench.predicted_cost(table, ctx, new)["router_moves"] == routed
