@@ -51,18 +51,32 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import common
+from .shared_prefix_case import BLOCK_SIZE, R1_TP8, block_table, decode_table, make_case
+from .shared_prefix_crossover import SHORT_EXTEND_MAX, SIDES, crossover, crossover_lines, predicted_cost
+from .shared_prefix_decode_path import absorbed_weights, decode_metadata, prepare_absorbed, v_up_proj
 
-R1_TP8 = dict(num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-BLOCK_SIZE = 64
+__all__ = [  # the pieces this benchmark is made of (its tests read them here)
+    "BLOCK_SIZE",
+    "R1_TP8",
+    "SHORT_EXTEND_MAX",
+    "SIDES",
+    "absorbed_weights",
+    "block_table",
+    "crossover",
+    "crossover_lines",
+    "decode_metadata",
+    "decode_table",
+    "make_case",
+    "predicted_cost",
+    "prepare_absorbed",
+    "v_up_proj",
+]
+
 WORKSPACE_ROWS = 65536  # vLLM 0.20's cap on the context workspace (min(max(8 x max_model_len, ...), 64k))
-
-
-SIDES = ("vllm", "shared", "absorbed")
-SHORT_EXTEND_MAX = 512  # FLASH_ATTN_MLA's reorder_batch_threshold: up to this many new tokens, a decode
 
 
 def parse_sides(text: str) -> tuple[str, ...]:
@@ -81,81 +95,6 @@ def _sides_arg(text: str) -> tuple[str, ...]:
         return parse_sides(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def block_table(requests: int, prefix: int, private: int) -> Any:
-    """The step's block table (CPU, int32): the prefix's blocks, shared, then each request's own.
-
-    Columns past a request's context blocks hold the last block (one spare column).
-    """
-    import torch
-
-    bs = BLOCK_SIZE
-    prefix_blocks, private_blocks = prefix // bs, -(-private // bs)
-    blocks = prefix_blocks + requests * private_blocks + 1
-    width = prefix_blocks + private_blocks + 1
-    table = torch.full((requests, width), blocks - 1, dtype=torch.int32)
-    for r in range(requests):
-        table[r, :prefix_blocks] = torch.arange(prefix_blocks, dtype=torch.int32)
-        first = prefix_blocks + r * private_blocks
-        table[r, prefix_blocks : prefix_blocks + private_blocks] = torch.arange(
-            first, first + private_blocks, dtype=torch.int32
-        )
-    return table
-
-
-def decode_table(table: Any, context_lens: Sequence[int], new: int, first_free: int) -> Any:
-    """Block table of the decode path: each request's context blocks, then its new tokens' own blocks.
-
-    The new tokens continue the context (its partly filled last block first), their blocks numbered
-    from ``first_free``; unused columns hold 0 (as vLLM's block table does).
-    """
-    import torch
-
-    bs = BLOCK_SIZE
-    rows = []
-    for r, ctx in enumerate(context_lens):
-        have, need = -(-ctx // bs), -(-(ctx + new) // bs)
-        rows.append(table[r, :have].tolist() + list(range(first_free, first_free + need - have)))
-        first_free += need - have
-    out = torch.zeros((len(rows), max(map(len, rows))), dtype=torch.int32)
-    for r, row in enumerate(rows):
-        out[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return out
-
-
-def make_case(requests: int, prefix: int, private: int, new: int, device: Any, seed: int = 0) -> dict:
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    d = R1_TP8
-    table = block_table(requests, prefix, private)
-    blocks = int(table.max()) + 1
-    context_lens = [prefix + private] * requests
-    latent = d["kv_lora_rank"] + d["qk_rope_head_dim"]
-    cache = torch.randn(blocks, BLOCK_SIZE, latent, generator=gen)
-    q_dim = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
-    q = torch.randn(requests * new, d["num_heads"], q_dim, generator=gen).to(device, torch.bfloat16)
-    w = torch.randn(
-        d["num_heads"] * (d["qk_nope_head_dim"] + d["v_head_dim"]), d["kv_lora_rank"], generator=gen
-    )
-    w = (w / d["kv_lora_rank"] ** 0.5).to(device, torch.bfloat16)
-    # The new tokens' latents, in blocks after the context's: the decode path reads them from the
-    # cache (vLLM writes them there before attention); the prefill plans never touch them.
-    decode = decode_table(table, context_lens, new, first_free=blocks)
-    extra = int(decode.max()) + 1 - blocks
-    cache = torch.cat([cache, torch.randn(max(extra, 0), BLOCK_SIZE, latent, generator=gen)])
-    loc = torch.arange(0, requests * new + 1, new, dtype=torch.int32)
-    return dict(
-        table=table,
-        context_lens=context_lens,
-        loc=loc,
-        cache=cache.to(device, torch.bfloat16),
-        q=q,
-        w=w,
-        decode_table=decode,
-        seq_lens=[c + new for c in context_lens],
-    )
 
 
 def backend_class(name: str) -> type:
@@ -225,136 +164,6 @@ def timed(run: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def absorbed_weights(w: Any) -> tuple[Any, Any]:
-    """(``W_UK_T`` [H, 128, 512], ``W_UV`` [H, 512, 128]) from ``kv_b_proj``'s weight, as vLLM makes them.
-
-    ``MLAAttention.process_weights_after_loading``: the weight transposed, viewed per head, split,
-    permuted; views of the weight, with the strides vLLM's bmms see.
-    """
-    d = R1_TP8
-    kv_b = w.T.view(d["kv_lora_rank"], d["num_heads"], d["qk_nope_head_dim"] + d["v_head_dim"])
-    w_uk, w_uv = kv_b.split([d["qk_nope_head_dim"], d["v_head_dim"]], dim=-1)
-    return w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
-
-
-def v_up_proj(x: Any, w_uv: Any, out: Any) -> None:
-    """``MLAAttention._v_up_proj`` (bf16 weights): [T, H, 512] x ``W_UV`` into ``out`` [T, H x 128]."""
-    import torch
-
-    d = R1_TP8
-    heads, v_dim = d["num_heads"], d["v_head_dim"]
-    x = x.view(-1, heads, d["kv_lora_rank"]).transpose(0, 1)
-    out = out.view(-1, heads, v_dim).transpose(0, 1)
-    torch.bmm(x, w_uv, out=out)
-    out_new = out.transpose(0, 1).reshape(-1, heads * v_dim)
-    n, b, v = out.shape
-    out.resize_((b, n * v))
-    out.copy_(out_new)
-
-
-def decode_metadata(case: dict, device: Any, num_splits: int, schedule: Callable | None) -> dict:
-    """What ``FlashAttnMLAMetadataBuilder._build_decode`` gives ``forward_mqa``, once per step.
-
-    ``schedule``: vLLM's ``get_scheduler_metadata`` (FA3's ahead-of-time schedule, as
-    ``_schedule_decode`` calls it), or None to leave scheduling to the kernel.
-    """
-    import torch
-
-    d = R1_TP8
-    loc = case["loc"]
-    query_start_loc = loc.to(device)
-    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=device)
-    max_query_len = int((loc[1:] - loc[:-1]).max())
-    max_seq_len = max(case["seq_lens"])
-    scheduler_metadata = None
-    if schedule is not None:
-        scheduler_metadata = schedule(
-            batch_size=seq_lens.shape[0],
-            max_seqlen_q=max_query_len,
-            max_seqlen_k=max_seq_len,
-            num_heads_q=d["num_heads"],
-            num_heads_kv=1,
-            headdim=d["qk_rope_head_dim"],
-            cache_seqlens=seq_lens,
-            qkv_dtype=case["cache"].dtype,
-            headdim_v=d["kv_lora_rank"],
-            page_size=BLOCK_SIZE,
-            cu_seqlens_q=query_start_loc,
-            causal=True,
-            num_splits=num_splits,
-        )
-    return dict(
-        block_table=case["decode_table"].to(device),
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        scheduler_metadata=scheduler_metadata,
-        max_num_splits=num_splits,
-    )
-
-
-def prepare_absorbed(
-    case: dict,
-    device: Any,
-    num_splits: int = 0,
-    attention: Callable | None = None,
-    schedule: Callable | None = None,
-) -> Callable[[], Any]:
-    """vLLM's decode path for the case's requests on one layer: a callable returning [T, H x 128].
-
-    Without ``attention``: vLLM's FA3 ``flash_attn_varlen_func`` and ``get_scheduler_metadata``
-    (GPU); with it (a reference kernel on a CPU), ``schedule`` (None: no scheduler metadata).
-    """
-    import torch
-
-    if attention is None:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
-
-        attention, schedule = flash_attn_varlen_func, get_scheduler_metadata
-    d = R1_TP8
-    heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
-    w_uk_t, w_uv = absorbed_weights(case["w"])
-    meta = decode_metadata(case, device, num_splits, schedule)
-    cache, q = case["cache"], case["q"]
-    kv_c_cache, k_pe_cache = cache[..., :rank], cache[..., rank:]
-    scale = (nope + rope) ** -0.5
-    output = torch.empty(q.shape[0], heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
-
-    def run() -> torch.Tensor:
-        # MLAAttention.forward_impl, decode tokens (bf16 cache, no DCP)
-        q_nope, q_pe = q.split([nope, rope], dim=-1)
-        q_nope = q_nope.transpose(0, 1)
-        ql_nope = q_nope.new_empty((heads, q.shape[0], rank))
-        torch.bmm(q_nope, w_uk_t, out=ql_nope)
-        ql_nope = ql_nope.transpose(0, 1)
-        # FlashAttnMLAImpl.forward_mqa
-        attn_out = attention(
-            q=q_pe,
-            k=k_pe_cache.unsqueeze(-2),
-            v=kv_c_cache.unsqueeze(-2),
-            q_v=ql_nope,
-            max_seqlen_q=max(meta["max_query_len"], 1),
-            cu_seqlens_q=meta["query_start_loc"],
-            max_seqlen_k=meta["max_seq_len"],
-            seqused_k=meta["seq_lens"],
-            block_table=meta["block_table"],
-            softmax_scale=scale,
-            causal=True,
-            return_softmax_lse=False,
-            fa_version=3,
-            scheduler_metadata=meta["scheduler_metadata"],
-            num_splits=meta["max_num_splits"],
-            cp_world_size=1,
-            cp_rank=0,
-            cp_tot_seqused_k=None,
-        )
-        v_up_proj(attn_out, w_uv, output)
-        return output
-
-    return run
-
-
 def whole_reference(case: dict, decode: bool) -> tuple[Any, Any]:
     """Float64 attention of each request's queries: over its context (non-causal; ``decode``:
     over context + new tokens, causal), keys and values up-projected with ``kv_b_proj``."""
@@ -402,39 +211,6 @@ def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> di
     return out
 
 
-def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[str, Any]:
-    """The router's FLOP model for these requests, each adding ``new`` tokens (``routing.step_threshold``).
-
-    Groups as the step planner forms them (``costs.GROUP_VALUE``); ``router_moves``: whether the
-    router would move them to the prefill path (short extends only, at least two, a group formed,
-    prefill FLOPs below ``ROUTE_BELOW`` of absorbed).
-    """
-    import numpy as np
-
-    from mla_prefill_ext.hosts.core.shared_prefix import costs, routing
-    from mla_prefill_ext.shared_prefix import find_shared_prefixes
-
-    ctx = np.asarray(context_lens, dtype=np.int64)
-    q = np.full_like(ctx, new)
-    groups = find_shared_prefixes(np.asarray(table), ctx, BLOCK_SIZE, q, costs.GROUP_VALUE)
-    shared = np.zeros_like(ctx)
-    tokens = []
-    for g in groups:
-        t = g.num_blocks * BLOCK_SIZE
-        shared[list(g.members)] = t
-        tokens.append(t)
-    absorbed, prefill = routing.route_cost(q, ctx, shared, tokens)
-    short = 1 < new <= SHORT_EXTEND_MAX and ctx.shape[0] >= 2 and bool((ctx > 0).all())
-    return dict(
-        absorbed_flops=absorbed,
-        prefill_flops=prefill,
-        predicted_ratio=absorbed / prefill,
-        groups=len(groups),
-        short_extends=short,
-        router_moves=short and bool(groups) and prefill < routing.ROUTE_BELOW * absorbed,
-    )
-
-
 def point_row(
     new: int,
     times: dict[str, float],
@@ -460,71 +236,6 @@ def point_row(
                 row[f"absorbed_over_{side}"] = times["absorbed"] / times[side]
     row.update(prediction)
     return row
-
-
-def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, Any]:
-    """Per point the fastest side and measured ``absorbed_ms / shared_ms`` against the predicted
-    ``absorbed / prefill`` FLOPs; the ``ROUTE_BELOW`` values that decide every point as measured.
-
-    The router moves a point's requests when predicted > 1 / ROUTE_BELOW; moving is right when
-    measured > 1. Points where it cannot move them (no group, not short extends) bound nothing.
-    ``route_below_range``: ROUTE_BELOW must be above ``above`` and at most ``at_most`` (None: no
-    bound from this run); ``consistent`` False when no value decides every point right.
-    """
-    points = []
-    above = at_most = None
-    for row in rows:
-        times = {s: row[f"{s}_ms"] for s in SIDES if f"{s}_ms" in row}
-        point = dict(
-            new=row["new"],
-            fastest=min(times, key=times.get) if times else None,
-            measured_ratio=row.get("absorbed_over_shared"),
-            predicted_ratio=row["predicted_ratio"],
-            router_moves=row["router_moves"],
-        )
-        measured = point["measured_ratio"]
-        if measured is not None:
-            point["measured_over_predicted"] = measured / row["predicted_ratio"]
-            if row["short_extends"] and row["groups"]:
-                point["router_right"] = row["router_moves"] == (measured > 1)
-                bound = 1 / row["predicted_ratio"]
-                if measured > 1:
-                    above = bound if above is None else max(above, bound)
-                else:
-                    at_most = bound if at_most is None else min(at_most, bound)
-        points.append(point)
-    consistent = above is None or at_most is None or above < at_most
-    return dict(
-        points=points,
-        route_below=route_below,
-        route_below_range=dict(above=above, at_most=at_most),
-        consistent=consistent,
-    )
-
-
-def crossover_lines(summary: dict[str, Any]) -> list[str]:
-    """The crossover as printed: one line per point, then the ROUTE_BELOW range."""
-
-    def num(x: float | None, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    lines = [
-        f"{'N':>6} {'fastest':>9} {'absorbed/shared':>16} {'predicted':>10} {'meas/pred':>10} {'router':>7}"
-    ]
-    for p in summary["points"]:
-        router = "moves" if p["router_moves"] else "stays"
-        if "router_right" in p:
-            router += "" if p["router_right"] else " (wrong)"
-        lines.append(
-            f"{p['new']:>6} {p['fastest'] or '-':>9} {num(p['measured_ratio'], '.2f'):>16} "
-            f"{p['predicted_ratio']:>10.2f} {num(p.get('measured_over_predicted'), '.2f'):>10} {router:>7}"
-        )
-    rng = summary["route_below_range"]
-    lines.append(
-        f"ROUTE_BELOW = {summary['route_below']}; agreeing with this run: above {num(rng['above'], '.3f')}, "
-        f"at most {num(rng['at_most'], '.3f')}" + ("" if summary["consistent"] else " (no value agrees)")
-    )
-    return lines
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,143 @@
+"""vLLM's decode (absorbed) path for the layer benchmark's requests: FLASH_ATTN_MLA on Hopper, one layer.
+
+What vLLM 0.20.2 runs for a request with cached context and at most 512 new tokens: the
+``q_nope x W_UK_T`` absorption, ``FlashAttnMLAImpl.forward_mqa``'s FA3 call over the paged latent
+cache (``q_v``, causal), then ``_v_up_proj``. Used by ``scripts/bench/shared_prefix_layer.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .shared_prefix_case import BLOCK_SIZE, R1_TP8
+
+
+def absorbed_weights(w: Any) -> tuple[Any, Any]:
+    """(``W_UK_T`` [H, 128, 512], ``W_UV`` [H, 512, 128]) from ``kv_b_proj``'s weight, as vLLM makes them.
+
+    ``MLAAttention.process_weights_after_loading``: the weight transposed, viewed per head, split,
+    permuted; views of the weight, with the strides vLLM's bmms see.
+    """
+    d = R1_TP8
+    kv_b = w.T.view(d["kv_lora_rank"], d["num_heads"], d["qk_nope_head_dim"] + d["v_head_dim"])
+    w_uk, w_uv = kv_b.split([d["qk_nope_head_dim"], d["v_head_dim"]], dim=-1)
+    return w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
+
+
+def v_up_proj(x: Any, w_uv: Any, out: Any) -> None:
+    """``MLAAttention._v_up_proj`` (bf16 weights): [T, H, 512] x ``W_UV`` into ``out`` [T, H x 128]."""
+    import torch
+
+    d = R1_TP8
+    heads, v_dim = d["num_heads"], d["v_head_dim"]
+    x = x.view(-1, heads, d["kv_lora_rank"]).transpose(0, 1)
+    out = out.view(-1, heads, v_dim).transpose(0, 1)
+    torch.bmm(x, w_uv, out=out)
+    out_new = out.transpose(0, 1).reshape(-1, heads * v_dim)
+    n, b, v = out.shape
+    out.resize_((b, n * v))
+    out.copy_(out_new)
+
+
+def decode_metadata(case: dict, device: Any, num_splits: int, schedule: Callable | None) -> dict:
+    """What ``FlashAttnMLAMetadataBuilder._build_decode`` gives ``forward_mqa``, once per step.
+
+    ``schedule``: vLLM's ``get_scheduler_metadata`` (FA3's ahead-of-time schedule, as
+    ``_schedule_decode`` calls it), or None to leave scheduling to the kernel.
+    """
+    import torch
+
+    d = R1_TP8
+    loc = case["loc"]
+    query_start_loc = loc.to(device)
+    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=device)
+    max_query_len = int((loc[1:] - loc[:-1]).max())
+    max_seq_len = max(case["seq_lens"])
+    scheduler_metadata = None
+    if schedule is not None:
+        scheduler_metadata = schedule(
+            batch_size=seq_lens.shape[0],
+            max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len,
+            num_heads_q=d["num_heads"],
+            num_heads_kv=1,
+            headdim=d["qk_rope_head_dim"],
+            cache_seqlens=seq_lens,
+            qkv_dtype=case["cache"].dtype,
+            headdim_v=d["kv_lora_rank"],
+            page_size=BLOCK_SIZE,
+            cu_seqlens_q=query_start_loc,
+            causal=True,
+            num_splits=num_splits,
+        )
+    return dict(
+        block_table=case["decode_table"].to(device),
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        scheduler_metadata=scheduler_metadata,
+        max_num_splits=num_splits,
+    )
+
+
+def prepare_absorbed(
+    case: dict,
+    device: Any,
+    num_splits: int = 0,
+    attention: Callable | None = None,
+    schedule: Callable | None = None,
+) -> Callable[[], Any]:
+    """vLLM's decode path for the case's requests on one layer: a callable returning [T, H x 128].
+
+    Without ``attention``: vLLM's FA3 ``flash_attn_varlen_func`` and ``get_scheduler_metadata``
+    (GPU); with it (a reference kernel on a CPU), ``schedule`` (None: no scheduler metadata).
+    """
+    import torch
+
+    if attention is None:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+        attention, schedule = flash_attn_varlen_func, get_scheduler_metadata
+    d = R1_TP8
+    heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
+    w_uk_t, w_uv = absorbed_weights(case["w"])
+    meta = decode_metadata(case, device, num_splits, schedule)
+    cache, q = case["cache"], case["q"]
+    kv_c_cache, k_pe_cache = cache[..., :rank], cache[..., rank:]
+    scale = (nope + rope) ** -0.5
+    output = torch.empty(q.shape[0], heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
+
+    def run() -> torch.Tensor:
+        # MLAAttention.forward_impl, decode tokens (bf16 cache, no DCP)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        q_nope = q_nope.transpose(0, 1)
+        ql_nope = q_nope.new_empty((heads, q.shape[0], rank))
+        torch.bmm(q_nope, w_uk_t, out=ql_nope)
+        ql_nope = ql_nope.transpose(0, 1)
+        # FlashAttnMLAImpl.forward_mqa
+        attn_out = attention(
+            q=q_pe,
+            k=k_pe_cache.unsqueeze(-2),
+            v=kv_c_cache.unsqueeze(-2),
+            q_v=ql_nope,
+            max_seqlen_q=max(meta["max_query_len"], 1),
+            cu_seqlens_q=meta["query_start_loc"],
+            max_seqlen_k=meta["max_seq_len"],
+            seqused_k=meta["seq_lens"],
+            block_table=meta["block_table"],
+            softmax_scale=scale,
+            causal=True,
+            return_softmax_lse=False,
+            fa_version=3,
+            scheduler_metadata=meta["scheduler_metadata"],
+            num_splits=meta["max_num_splits"],
+            cp_world_size=1,
+            cp_rank=0,
+            cp_tot_seqused_k=None,
+        )
+        v_up_proj(attn_out, w_uv, output)
+        return output
+
+    return run
