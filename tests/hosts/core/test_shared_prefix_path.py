@@ -461,3 +461,15 @@ def test_short_extends_with_private_contexts_behind_one_shared_header_stay_put(a
         requests.append(([1, *private], 257 * BS, 257 * BS + 256))
         scheduled[f"r{i}"] = 256
     assert routing.step_threshold(_input_batch(requests), scheduled, 512) is None
+
+
+def test_the_host_block_table_is_found_for_the_runners_device_view_only(activated):
+    from mla_prefill_ext.hosts.core.shared_prefix import block_tables
+
+    if not _path().instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {_path().problem}")
+    device = _block_table([[3, 4], [5]])
+    host = block_tables.host_rows(device)
+    assert host is not None and host[0, :2].tolist() == [3, 4] and host[1, 0] == 5
+    assert block_tables.host_rows(device[:, :1]) is None  # same address, another layout
+    assert block_tables.host_rows(torch.zeros(2, 8, dtype=torch.int32)) is None

@@ -32,9 +32,14 @@ def host_rows(device_block_table: Any) -> np.ndarray | None:
     """The host array behind ``device_block_table`` (a view from row 0), or None when unknown."""
     try:
         address = device_block_table.data_ptr()
-    except AttributeError:
+        rows, width = device_block_table.shape
+    except (AttributeError, ValueError):
         return None
-    return _TWINS.get(address)
+    host = _TWINS.get(address)
+    # A buffer freed and another put at its address would not have the same layout: refuse it.
+    if host is None or host.ndim != 2 or host.shape[1] != width or host.shape[0] < rows:
+        return None
+    return host
 
 
 def forget() -> None:
