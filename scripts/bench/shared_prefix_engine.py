@@ -119,6 +119,36 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
+COUNTERS = ("steps", "steps_routed", "steps_with_segments")
+
+
+def path_counters(llm: Any) -> dict[str, int] | None:
+    """The shared-prefix path's counters summed over the engine's workers (None: the path is not there)."""
+    reports = [w.get("shared_prefix") for w in llm.collective_rpc(engine.prefill_owners)]
+    if not reports or any(r is None for r in reports):
+        return None
+    return {k: sum(int(r.get(k, 0)) for r in reports) for k in COUNTERS}
+
+
+def counter_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """What one timed call added to each counter (None where the side has no path)."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in COUNTERS}
+
+
+def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Per side and point (requests x prompt length): the steps each timed call took, routed, shared."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["side"], r["requests"], r["prompt_len"]), []).append(r)
+    lines = []
+    for (side, requests, prompt_len), rs in groups.items():
+        cells = ", ".join(f"{k} {[r[k] for r in rs]}" for k in COUNTERS)
+        lines.append(f"{side} {requests} x {prompt_len} tokens: {cells}")
+    return lines
+
+
 def check_switch(side: SideSpec, info: dict[str, Any]) -> None:
     """Every worker of the side's engine sees the shared-prefix switch the side sets (or none)."""
     wanted = side.extra_env.get(SHARED_PREFIX_ENV)
@@ -206,12 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     def warm(side: str, prompts: list[list[int]]) -> None:
         engines[side].generate([TokensPrompt(prompt_token_ids=p) for p in prompts], one, use_tqdm=False)
 
+    path_steps: list[dict[str, Any]] = []  # per timed call: how many steps, routed, with segments
+
     def timed(side: str, prompts: list[list[int]], max_tokens: int) -> Timed:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        before = path_counters(engines[side])  # outside the timing
         t = time.perf_counter()
         outputs = engines[side].generate(batch, params, use_tqdm=False)
         took = time.perf_counter() - t
+        delta = counter_delta(before, path_counters(engines[side]))
+        if delta is not None:
+            path_steps.append(
+                {"side": side, "requests": len(prompts), "prompt_len": len(prompts[0]), **delta}
+            )
         counts = [o.num_cached_tokens for o in outputs]
         hit = None if None in counts else sum(counts)
         return took, hit, sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -248,10 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     after = {label: engines[label].collective_rpc(engine.prefill_owners) for label in labels}
     for label, workers in after.items():
         print(f"{label}: shared-prefix path {[w.get('shared_prefix') for w in workers]}", flush=True)
+    print("\n".join(path_steps_lines(path_steps)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     common.write_json(
         args.json,
-        {**header, **raw, "table": table, "markdown": lines, "notes": notes, "engines_after": after},
+        {
+            **header,
+            **raw,
+            "table": table,
+            "markdown": lines,
+            "notes": notes,
+            "engines_after": after,
+            "path_steps": path_steps,
+        },
     )
     return 0
 

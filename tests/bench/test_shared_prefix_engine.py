@@ -303,3 +303,31 @@ def test_the_markdown_table_shows_seconds_and_ratios_with_their_range():
     ]
     no_stock = markdown(tabulate(points, sides[1:], "stock", seconds, out, cached), sides[1:], "stock")
     assert no_stock[0] == "| scenario | P | B | N | FLASH_ATTN s | FLASH_ATTN:noshare s |"
+
+
+def test_the_paths_counters_per_timed_call_and_their_summary():
+    before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3}
+    after = {"steps": 12, "steps_routed": 3, "steps_with_segments": 5}
+    assert bench.counter_delta(before, after) == {"steps": 2, "steps_routed": 1, "steps_with_segments": 2}
+    assert bench.counter_delta(None, after) is None  # stock: no path to count
+    records = [
+        {
+            "side": "FLASH_ATTN",
+            "requests": 16,
+            "prompt_len": 32896,
+            "steps": 2,
+            "steps_routed": 1,
+            "steps_with_segments": 1,
+        },
+        {
+            "side": "FLASH_ATTN",
+            "requests": 16,
+            "prompt_len": 32896,
+            "steps": 1,
+            "steps_routed": 1,
+            "steps_with_segments": 1,
+        },
+    ]
+    assert bench.path_steps_lines(records) == [
+        "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1]"
+    ]

@@ -110,6 +110,7 @@ class SharedPrefixInstrumentor:
             "problem": self.problem,
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
+            "steps": routing.STEPS[0],
         }
 
 

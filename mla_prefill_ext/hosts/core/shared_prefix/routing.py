@@ -37,6 +37,7 @@ PREFILL_PER_QK = 2 * (192 + 128)
 UP_PROJECTION_PER_TOKEN = 2 * 512 * (128 + 128)
 
 ROUTED = [0]  # steps whose short extends were routed here, in this process (evidence for benchmarks)
+STEPS = [0]  # steps the runner reordered (every scheduled step), in this process
 _LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
 _USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
 
@@ -108,6 +109,7 @@ def _routing_on(runner: Any) -> bool:
 def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``GPUModelRunner._may_reorder_batch(scheduler_output)``: this step's threshold decided first."""
     _LOCAL.threshold = None
+    STEPS[0] += 1
     threshold = instance.reorder_batch_threshold
     if threshold is None or threshold <= 1 or not _routing_on(instance):
         return wrapped(*args, **kwargs)
