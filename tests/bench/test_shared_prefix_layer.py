@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from vllm_runner_objects import runner_input_batch
 
 from scripts.bench import shared_prefix_layer as bench
 
@@ -194,33 +195,11 @@ def test_the_crossover_names_the_fastest_side_and_the_route_below_values_that_fi
 
 def _runner_batch(table, context_lens, new):
     """vLLM's runner ``InputBatch`` (CPU) holding the bench's requests, ``new`` tokens scheduled each."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-
     bs = bench.BLOCK_SIZE
-    batch = InputBatch(
-        max_num_reqs=32,
-        max_model_len=16384,
-        max_num_batched_tokens=16384,
-        device=torch.device("cpu"),
-        pin_memory=False,
-        vocab_size=1000,
-        block_sizes=[bs],
-        kernel_block_sizes=[bs],
-    )
-    for i, ctx in enumerate(context_lens):
-        batch.add_request(
-            CachedRequestState(
-                req_id=f"r{i}",
-                prompt_token_ids=list(range(ctx + new)),
-                mm_features=[],
-                sampling_params=SamplingParams(max_tokens=1),
-                generator=None,
-                block_ids=(table[i, : -(-(ctx + new) // bs)].tolist(),),
-                num_computed_tokens=ctx,
-                output_token_ids=[],
-            )
-        )
+    requests = [
+        (table[i, : -(-(ctx + new) // bs)].tolist(), ctx, ctx + new) for i, ctx in enumerate(context_lens)
+    ]
+    batch = runner_input_batch(requests, bs, max_model_len=16384)
     return batch, {f"r{i}": new for i in range(len(context_lens))}
 
 

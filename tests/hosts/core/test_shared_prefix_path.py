@@ -12,17 +12,16 @@ shape, nothing is wrapped and one line says why.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import logging
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from mla_layer_on_cpu import TOLERANCE, build_layer, cpu_step_kernels, make_builder, recording
+from vllm_runner_objects import runner_block_table, runner_input_batch
 
 from mla_prefill_ext import versions
 from mla_prefill_ext.testing import vllm_host as host
@@ -79,47 +78,9 @@ def small_groups_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(costs, "GROUP_VALUE", FlopCostModel())
 
 
-def _accepted(cls: type, **kwargs: Any) -> dict[str, Any]:
-    """The keyword arguments this vLLM's ``cls.__init__`` takes (they differ across releases)."""
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-@contextlib.contextmanager
-def _unpinned() -> Any:
-    """Pinned host memory needs a CUDA driver; vLLM 0.25+ reads whether to pin from the platform at import."""
-    from vllm.v1 import utils as v1_utils
-    from vllm.v1.worker import gpu_input_batch
-
-    with (
-        mock.patch.object(gpu_input_batch, "PIN_MEMORY", False, create=True),
-        mock.patch.object(v1_utils, "PIN_MEMORY", False, create=True),
-    ):
-        yield
-
-
 def _block_table(rows: list[list[int]]) -> Any:
     """vLLM's runner block table (on the CPU), holding ``rows``; its device view, as the runner hands it."""
-    from vllm.v1.worker.block_table import BlockTable
-
-    kwargs = dict(
-        block_size=BS,
-        max_num_reqs=8,
-        max_num_blocks_per_req=8,
-        max_num_batched_tokens=256,
-        pin_memory=False,
-        device=torch.device("cpu"),
-        kernel_block_size=BS,
-        cp_kv_cache_interleave_size=1,
-    )
-    with _unpinned():
-        table = BlockTable(**_accepted(BlockTable, **kwargs))
-        for i, row in enumerate(rows):
-            table.add_row(row, i)
-        table.commit_block_table(len(rows))
-    return table.get_device_tensor(len(rows))
+    return runner_block_table(rows, BS)
 
 
 class Step:
@@ -303,36 +264,7 @@ def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_g
 
 def _input_batch(requests: list[tuple[list[int], int, int]]) -> Any:
     """vLLM's runner ``InputBatch`` (on the CPU) holding ``(block ids, computed tokens, prompt tokens)``."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-
-    kwargs = dict(
-        max_num_reqs=32,
-        max_model_len=8192,
-        max_num_batched_tokens=8192,
-        device=torch.device("cpu"),
-        pin_memory=False,
-        vocab_size=1000,
-        block_sizes=[BS],
-        kernel_block_sizes=[BS],
-        max_num_blocks_per_req=[8192 // BS],
-    )
-    with _unpinned():
-        batch = InputBatch(**_accepted(InputBatch, **kwargs))
-    for i, (blocks, computed, prompt) in enumerate(requests):
-        batch.add_request(
-            CachedRequestState(
-                req_id=f"r{i}",
-                prompt_token_ids=list(range(prompt)),
-                mm_features=[],
-                sampling_params=SamplingParams(max_tokens=1),
-                generator=None,
-                block_ids=(blocks,),
-                num_computed_tokens=computed,
-                output_token_ids=[],
-            )
-        )
-    return batch
+    return runner_input_batch(requests, BS)
 
 
 def _short_extends(prefix_blocks: int, new: int, count: int, shared: bool) -> tuple[Any, dict[str, int]]:
