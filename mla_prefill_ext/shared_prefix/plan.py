@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from mla_prefill_ext.shared_prefix.groups import GroupValue, find_shared_prefixes
+from mla_prefill_ext.shared_prefix.groups import GroupValue, SharedPrefixGroup, find_shared_prefixes
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,7 @@ def plan_context(
     workspace_rows: int,
     value: GroupValue | None = None,
     shared: bool = True,
+    groups: Sequence[SharedPrefixGroup] | None = None,
 ) -> ContextPlan:
     """The step's plan from host copies of its prefill requests' data, in their order.
 
@@ -159,16 +160,17 @@ def plan_context(
 
     ``value`` decides which groups are worth it (default: :class:`FlopCostModel`'s defaults).
     ``shared=False`` (the backend takes no shared segments, or the path is off) gives vLLM's
-    own plan: no segments, every context chunked whole.
+    own plan: no segments, every context chunked whole. ``groups``: what
+    :func:`~mla_prefill_ext.shared_prefix.groups.find_shared_prefixes` found for these requests,
+    when the caller has it already (``value`` is then not used).
     """
     ctx = torch.as_tensor(np.asarray(context_lens), dtype=torch.int64)
     loc = torch.as_tensor(np.asarray(query_start_loc), dtype=torch.int64)
     qlens = (loc[1:] - loc[:-1]).numpy()
-    groups = (
-        find_shared_prefixes(block_table, ctx.numpy(), block_size, qlens, value or FlopCostModel())
-        if shared
-        else []
-    )
+    if not shared:
+        groups = []
+    elif groups is None:
+        groups = find_shared_prefixes(block_table, ctx.numpy(), block_size, qlens, value or FlopCostModel())
     segments, rows = [], []
     private_starts = torch.zeros_like(ctx)
     for g in groups:

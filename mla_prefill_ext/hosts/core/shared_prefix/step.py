@@ -101,6 +101,7 @@ def _backends_accept(builder: Any) -> bool | None:
     """Whether the builder's add-on instances all take shared segments (None: none made yet).
 
     Known before any step with context: the patch's runners (vLLM 0.20) or the bridge's adapter.
+    One INFO line names a backend that does not; its steps run vLLM's own context plan.
     """
     runners = builder.__dict__.get("_mla_prefill_runners")
     if runners:
@@ -110,7 +111,16 @@ def _backends_accept(builder: Any) -> bool | None:
         backends = [inner] if inner is not None else []
     if not backends:
         return None
-    return all(accepts_shared_segments(b) for b in backends)
+    refusing = [type(b).__name__ for b in backends if not accepts_shared_segments(b)]
+    if refusing:
+        log_once(
+            logging.INFO,
+            ("shared-prefix-backend", tuple(refusing)),
+            "MLA shared-prefix prefill (mla-prefill-ext): off for backend %s, which does not declare "
+            "accepts_shared_context_segments; it runs vLLM's own context plan.",
+            ", ".join(refusing),
+        )
+    return not refusing
 
 
 def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
@@ -129,7 +139,7 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             _make_segment_instances(instance, state)
             routing.mark_usable()  # short extends may be routed here from now on (routing.py)
     prefill = getattr(metadata, "prefill", None)
-    if prefill is None or getattr(prefill, "chunked_context", None) is None:
+    if not state.usable or prefill is None or getattr(prefill, "chunked_context", None) is None:
         return metadata
     try:
         plan_step(instance, metadata, prefill, _arg(args, kwargs, "common_attn_metadata", 1), state)
@@ -164,16 +174,6 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
     backends = step_backends(builder, prefill)
     if not backends:
         return
-    refusing = [type(b).__name__ for b, _ in backends.values() if not accepts_shared_segments(b)]
-    if refusing:
-        log_once(
-            logging.INFO,
-            ("shared-prefix-backend", tuple(refusing)),
-            "MLA shared-prefix prefill (mla-prefill-ext): off for backend %s, which does not declare "
-            "accepts_shared_context_segments; it runs vLLM's own context plan.",
-            ", ".join(refusing),
-        )
-        return
     start, end = metadata.num_decodes, common.num_reqs
     loc = common.query_start_loc_cpu[start : end + 1]
     loc = loc - loc[0]
@@ -182,26 +182,17 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
     rows = rows[start:end]
     qlens = (loc[1:] - loc[:-1]).numpy()
     # Most steps share nothing: find out before building any chunk.
-    if not find_shared_prefixes(rows, context_lens, block_size, qlens, costs.GROUP_VALUE):
+    groups = find_shared_prefixes(rows, context_lens, block_size, qlens, costs.GROUP_VALUE)
+    if not groups:
         return
     plan = plan_context(
-        rows,
-        context_lens,
-        loc.numpy(),
-        block_size,
-        builder.chunked_prefill_workspace_size,
-        value=costs.GROUP_VALUE,
+        rows, context_lens, loc.numpy(), block_size, builder.chunked_prefill_workspace_size, groups=groups
     )
     if not plan.has_segments:
         return
     device = prefill.query_start_loc.device
     # What can fail comes first, while the prefill metadata is still vLLM's own.
-    segments = {}
-    for key, (backend, _) in backends.items():
-        segment = state.segments.get(key)
-        if segment is None:
-            segment = state.segments[key] = SegmentInstance(backend, device)
-        segments[key] = segment.prepare(plan, prefill)
+    segments = {key: state.segments[key].prepare(plan, prefill) for key in backends}
     shared = SharedStep(plan.to(device), {key: (b, segments[key]) for key, (b, _) in backends.items()})
     previous = prefill.__dict__.get(CHUNKS_ATTR, _ABSENT)
     attach_private_chunks(plan, prefill)
