@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from mla_prefill_ext import settings
 from mla_prefill_ext.bench.spec import (
     DEFAULT_DIMS,
     DEFAULT_SHAPES,
@@ -350,6 +351,12 @@ def cmd_bench(args: argparse.Namespace) -> Report:
         f"{'no GPU' if cap is None else f'compute capability {cap.major}.{cap.minor}'}, dtype {args.dtype}, "
         f"MLA dims {dims.label}"
     )
+
+    # An invalid overrides variable would leave a named backend unregistered or pointing elsewhere:
+    # refused here as the selector refuses it, with the variable, the parse error and the right form.
+    overrides_problem = settings.overrides_problem()
+    if overrides_problem is not None:
+        return BenchStopped(facts, overrides_problem)
 
     # The backends under test: --backend (an unknown name is a usage error), else the one in force.
     names = [n.strip() for item in args.backend or [] for n in item.split(",") if n.strip()]

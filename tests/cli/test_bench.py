@@ -44,6 +44,21 @@ SMALL_PAIRS = {
 }
 
 
+# Two backends that are not built-ins, registered by the overrides variable (tests/helpers on the
+# path): TORCH_SDPA under another name, and one whose context-chunk kernel raises.
+REGISTERED = {
+    "MLA_PREFILL_BACKEND_OVERRIDES": json.dumps(
+        {
+            "WRAPPED_SDPA": "custom_backends.WrappedSDPABackend",
+            "FAILING_WARMUP": "custom_backends.FailingWarmupBackend",
+        }
+    ),
+    "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "tests" / "helpers"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    ),
+}
+
+
 def bench_env(**extra: str) -> dict[str, str]:
     """cli_env with one CPU thread: on a shared CI machine, PyTorch's threads waiting on each other
     cost more than the steps themselves (what is timed here is the command, not the machine)."""
@@ -63,6 +78,9 @@ def cpu_runs() -> Iterator[dict[str, subprocess.CompletedProcess[str]]]:
         "unknown": bench("bench", "--backend", "TORCH_SDPA,NOPE_BACKEND", "--device", "cpu"),
         "unknown_json": bench("bench", "--backend", "NOPE_BACKEND", "--device", "cpu", "--json"),
         "cannot_serve": bench("bench", "--backend", "FLASH_ATTN", "--device", "cpu", *TINY),
+        "registered": bench(
+            "bench", "--backend", "WRAPPED_SDPA,FAILING_WARMUP", "--device", "cpu", *TINY, **REGISTERED
+        ),
     }
     yield {name: finish(p) for name, p in procs.items()}
 
@@ -149,6 +167,41 @@ def test_a_backend_that_cannot_serve_here_says_why(cpu_runs: dict[str, Any]) -> 
         "FAIL: MLA prefill backend FLASH_ATTN cannot serve here (no GPU, dtype bfloat16, MLA dims "
         "qk 8+4, v 8, 2 heads): needs a GPU"
     ), proc.stdout
+
+
+def test_a_registered_backend_is_timed_beside_the_builtin_and_one_that_raises_fails(
+    cpu_runs: dict[str, Any],
+) -> None:
+    proc = cpu_runs["registered"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a backend under test did not run a step
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    assert "under test (*): WRAPPED_SDPA (custom_backends.WrappedSDPABackend; --backend)" in proc.stdout
+    assert "built-ins that can serve here: TORCH_SDPA" in proc.stdout
+
+    def row(shape: str, backend: str) -> str:
+        (found,) = [line for line in lines if line.split()[:2] == [shape, backend]]
+        return found
+
+    for shape in ("1x16", "2x8+8"):
+        # The registered backend: marked, timed, its ratio to the built-in it is measured against.
+        assert re.fullmatch(
+            rf"{re.escape(shape)} +WRAPPED_SDPA \* +\d+\.\d{{3}} +[\d.e+-]+ +\d+\.\d\dx \(TORCH_SDPA\)",
+            row(shape, "WRAPPED_SDPA"),
+        ), row(shape, "WRAPPED_SDPA")
+        # The built-in reference: not marked, 1.00x of itself.
+        assert re.fullmatch(
+            rf"{re.escape(shape)} +TORCH_SDPA +\d+\.\d{{3}} +[\d.e+-]+ +1\.00x \(TORCH_SDPA\)",
+            row(shape, "TORCH_SDPA"),
+        ), row(shape, "TORCH_SDPA")
+    # New tokens only: the failing backend runs; with context its chunk kernel raises.
+    assert re.search(r"1\.00x|\d+\.\d\dx \(TORCH_SDPA\)$", row("1x16", "FAILING_WARMUP"))
+    assert row("2x8+8", "FAILING_WARMUP").endswith("error (below)")
+    assert (
+        "error: FAILING_WARMUP on 2x8+8: run_prefill_context_chunk(0) raised RuntimeError: building the "
+        "context-chunk kernel failed: no compiler on this host"
+    ) in proc.stdout, proc.stdout
+    assert "FAIL: 1 step(s) of the backend(s) under test did not run." in proc.stdout
 
 
 def test_no_progress_unless_stderr_is_a_terminal(cpu_runs: dict[str, Any], tmp_path: Path) -> None:

@@ -105,8 +105,16 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("command", [["check", "--repeat", "1"], ["select"]])
-def test_check_and_select_exit_non_zero_on_invalid_overrides(command):
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "--repeat", "1"],
+        ["select"],
+        # bench with a named backend never reaches the selector: it must refuse on its own.
+        ["bench", "--backend", "CUSTOM", "--device", "cpu", "--dims", "8,4,8,2", "--shapes", "1x16"],
+    ],
+)
+def test_check_select_and_bench_exit_non_zero_on_invalid_overrides(command):
     done = _cli(*command, **{settings.OVERRIDES_ENV: NOT_JSON})
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{settings.OVERRIDES_ENV}='{NOT_JSON}' cannot be used" in done.stdout

@@ -97,6 +97,11 @@ def make_get_wrapper(shape: Shape) -> Any:
         # Loaded at the first selection (an MLA layer being built), not at every process start.
         from mla_prefill_ext import registry, selector, settings
 
+        # An invalid overrides variable stops every selection, vLLM's own named one too: the user
+        # meant it to change what runs, so running anyway would be a silent fallback.
+        problem = settings.overrides_problem()
+        if problem is not None:
+            raise ValueError(problem)
         vllm_config = _config_arg(args, kwargs)
         vllm_registry_sync.sync(shape)
         choice = addon_choice(vllm_config)
