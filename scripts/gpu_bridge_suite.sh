@@ -14,7 +14,7 @@ mkdir -p "$results"
 python - <<'PY' || exit 2
 import vllm, sys
 if not vllm.__version__.startswith("0.25"):
-    sys.exit(f"bridge_025.sh: this Python has vLLM {vllm.__version__}, not 0.25.x")
+    sys.exit(f"gpu_bridge_suite.sh: this Python has vLLM {vllm.__version__}, not 0.25.x")
 PY
 export VLLM_USE_FLASHINFER_SAMPLER=0
 python -m mla_prefill_ext info > "$results/info.txt" 2>&1

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The shared-prefix path on one GPU, in parts that each fit one call of a few minutes:
 #   bash scripts/gpu_shared_prefix_suite.sh OUT bench    # engine, R1 slice, eager: stock vs FLASH_ATTN (path on),
-#                                                       # shared 32k prefix and private contexts, with the path's
+#                                                       # shared 32k prefix (N = 1 gives the prefix's fixed cost),
+#                                                       # fresh prompts, private contexts, decode, with the path's
 #                                                       # counters (steps with segments, steps routed)
-#   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, the path on,
-#                                                       # both wrong-path mutants; then their verdicts
+#   bash scripts/gpu_shared_prefix_suite.sh OUT bench-compiled  # the same engines compiled, CUDA graphs
+#   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
+#                                                       # short extends on vLLM's prefill path (the path on routes
+#                                                       # them there), the path on, the three wrong-path mutants; their
+#                                                       # verdicts; stock's two paths against each other
 #   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
 #                                                       # absorbed (the router's calibration)
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|parity|layer}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|parity|layer}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -23,22 +27,35 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvid
 case $part in
 bench)
   stamp "engine benchmark (eager)"
-  "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,FLASH_ATTN --scenarios shared,private \
-    --prefix-lens 32768 --points 16x32,16x128,16x512,8x1024 --private-points 16x128 --reps 3 --stop-after 480 \
+  "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,FLASH_ATTN \
+    --scenarios shared,private,fresh,decode --prefix-lens 32768 --points 16x1,16x32,16x128,16x512,8x1024 \
+    --private-points 16x128 --decode-points 16x32 --decode-tokens 32 --reps 8 --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-eager.json" >"$out/engine-eager.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-eager.log" | tail -20
+  grep -v "WARNING\|INFO" "$out/engine-eager.log" | tail -24
+  ;;
+bench-compiled)
+  stamp "engine benchmark (compiled, CUDA graphs)"
+  "$python" -m scripts.bench shared_prefix_engine --sides stock,FLASH_ATTN --scenarios shared,private \
+    --prefix-lens 32768 --points 16x32,16x128,16x512,8x1024 --private-points 16x128 --reps 6 \
+    --stop-after "${STOP_AFTER:-500}" --json "$out/engine-compiled.json" >"$out/engine-compiled.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-compiled.log" | tail -20
   ;;
 parity)
-  names=stock-shared,stock-shared-2,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse
+  names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
+  names=$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale
   stamp "scenarios $names"
   "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" --model-dir "$out/sharp-checkpoint" \
     --only "$names" >"$out/scenarios.log" 2>&1
   stamp "verdicts over those scenarios"
   MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_prefix.py \
-    -k "not chunks and not compiled and not off and not shared-3" >"$out/verdicts.txt" 2>&1
+    -k "not chunks and not compiled and not off and not shim-fa-shared-2" >"$out/verdicts.txt" 2>&1
   rc=$?
   tail -15 "$out/verdicts.txt"
+  stamp "every pair: stock lifetimes, candidates, vLLM's two paths for short extends against each other"
+  "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
+  cut -c1-400 "$out/pairs.txt" | tail -20
   ;;
 layer)
   stamp "one layer: vLLM's plan, shared, absorbed"
@@ -47,7 +64,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, parity or layer" >&2
+  echo "unknown part '$part': bench, bench-compiled, parity or layer" >&2
   exit 2
   ;;
 esac

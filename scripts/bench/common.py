@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import traceback
@@ -70,6 +71,13 @@ def write_json(path: str | None, out: dict[str, Any]) -> None:
     """Write ``out`` to ``path``, if one was given."""
     if path:
         Path(path).write_text(json.dumps(out, indent=1))
+
+
+def seeded_tokens(seed: str, length: int, vocab: int) -> list[int]:
+    """``length`` random token ids in ``[2, vocab)``, the same for the same string ``seed`` in every
+    process (str hashes are salted, ``Random(str)`` is not)."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(length)]
 
 
 def failure(e: BaseException) -> str:

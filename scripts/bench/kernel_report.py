@@ -1,6 +1,6 @@
 """The kernel benchmark's results, tables and plot rebuilt from the rows a kernel.py run printed.
 
-    python -m scripts.bench kernel_report --kernel-log bench-kernel.log [--json out.json]
+    python -m scripts.bench kernel_report --kernel-log bench-kernel.log[.gz] [--json out.json]
         [--plot out.png] [--markdown tables.md]
 
 kernel.py prints one JSON row per backend, op and shape as it measures; a run that stopped
@@ -11,6 +11,7 @@ GPU, the H200 of the recorded runs. Runs on any machine: nothing is measured.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     common.use_this_checkout()
     from vllm.platforms.interface import DeviceCapability
 
-    text = Path(args.kernel_log).read_text().splitlines()
+    log = Path(args.kernel_log)
+    raw = (
+        gzip.decompress(log.read_bytes()) if log.suffix == ".gz" else log.read_bytes()
+    )  # recorded logs are gzipped
+    text = raw.decode().splitlines()
     out = {
         "command": " ".join(sys.argv),
         "environment": {"note": "rows measured by the run that printed them; see its log"},

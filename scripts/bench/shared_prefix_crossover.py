@@ -1,9 +1,9 @@
-"""The router's FLOP prediction per point and the crossover against what the layer benchmark measured.
+"""The router's prediction per point and the crossover against what the layer benchmark measured.
 
-``predicted_cost``: ``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost`` over the groups the
-step planner forms; ``crossover``: per point the fastest side and measured ``absorbed / shared`` next
-to the prediction, and the ``ROUTE_BELOW`` values that decide every point as measured. Used by
-``scripts/bench/shared_prefix_layer.py``.
+``predicted_cost``: ``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost`` (predicted time,
+FLOPs over the H200 rates) over the groups the step planner forms; ``crossover``: per point the
+fastest side and measured ``absorbed / shared`` next to the prediction, and whether the router's
+decision agrees with the measurement. Used by ``scripts/bench/shared_prefix_layer.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ SHORT_EXTEND_MAX = 512  # FLASH_ATTN_MLA's reorder_batch_threshold: up to this m
 
 
 def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[str, Any]:
-    """The router's FLOP model for these requests, each adding ``new`` tokens (``routing.step_threshold``).
+    """The router's model for these requests, each adding ``new`` tokens (``routing.step_threshold``).
 
     Groups as the step planner forms them (``costs.GROUP_VALUE``); ``router_moves``: whether the
     router would move them to the prefill path (short extends only, at least two, a group formed,
-    prefill FLOPs below ``ROUTE_BELOW`` of absorbed).
+    predicted prefill time below ``ROUTE_BELOW`` of absorbed).
     """
     import numpy as np
 
@@ -41,8 +41,8 @@ def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[st
     absorbed, prefill = routing.route_cost(q, ctx, shared, tokens)
     short = 1 < new <= SHORT_EXTEND_MAX and ctx.shape[0] >= 2 and bool((ctx > 0).all())
     return dict(
-        absorbed_flops=absorbed,
-        prefill_flops=prefill,
+        absorbed_us=absorbed,
+        prefill_us=prefill,
         predicted_ratio=absorbed / prefill,
         groups=len(groups),
         short_extends=short,
@@ -51,16 +51,16 @@ def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[st
 
 
 def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, Any]:
-    """Per point the fastest side and measured ``absorbed_ms / shared_ms`` against the predicted
-    ``absorbed / prefill`` FLOPs; the ``ROUTE_BELOW`` values that decide every point as measured.
+    """Per point the fastest side and measured ``absorbed_ms / shared_ms`` against the predicted ratio,
+    and whether the router decided it right.
 
-    The router moves a point's requests when predicted > 1 / ROUTE_BELOW; moving is right when
-    measured > 1. Points where it cannot move them (no group, not short extends) bound nothing.
-    ``route_below_range``: ROUTE_BELOW must be above ``above`` and at most ``at_most`` (None: no
-    bound from this run); ``consistent`` False when no value decides every point right.
+    The router moves a point's requests when the predicted ratio exceeds ``1 / route_below``; that is
+    right when the measured ratio does too (the margin stands for what one layer's context part leaves
+    out: the new tokens' own attention pass and the step's planning). Points where it cannot move them
+    (no group, not short extends) are not judged. ``consistent``: every judged point decided right.
     """
     points = []
-    above = at_most = None
+    gain = 1 / route_below
     for row in rows:
         times = {s: row[f"{s}_ms"] for s in SIDES if f"{s}_ms" in row}
         point = dict(
@@ -74,19 +74,13 @@ def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, A
         if measured is not None:
             point["measured_over_predicted"] = measured / row["predicted_ratio"]
             if row["short_extends"] and row["groups"]:
-                point["router_right"] = row["router_moves"] == (measured > 1)
-                bound = 1 / row["predicted_ratio"]
-                if measured > 1:
-                    above = bound if above is None else max(above, bound)
-                else:
-                    at_most = bound if at_most is None else min(at_most, bound)
+                point["router_right"] = row["router_moves"] == (measured > gain)
         points.append(point)
-    consistent = above is None or at_most is None or above < at_most
     return dict(
         points=points,
         route_below=route_below,
-        route_below_range=dict(above=above, at_most=at_most),
-        consistent=consistent,
+        gain_needed=gain,
+        consistent=all(p.get("router_right", True) for p in points),
     )
 
 
@@ -107,9 +101,9 @@ def crossover_lines(summary: dict[str, Any]) -> list[str]:
             f"{p['new']:>6} {p['fastest'] or '-':>9} {num(p['measured_ratio'], '.2f'):>16} "
             f"{p['predicted_ratio']:>10.2f} {num(p.get('measured_over_predicted'), '.2f'):>10} {router:>7}"
         )
-    rng = summary["route_below_range"]
     lines.append(
-        f"ROUTE_BELOW = {summary['route_below']}; agreeing with this run: above {num(rng['above'], '.3f')}, "
-        f"at most {num(rng['at_most'], '.3f')}" + ("" if summary["consistent"] else " (no value agrees)")
+        f"ROUTE_BELOW = {summary['route_below']}: moves when the predicted ratio is above "
+        f"{summary['gain_needed']:.2f}; "
+        + ("every point decided as measured" if summary["consistent"] else "some points decided wrong")
     )
     return lines

@@ -38,12 +38,12 @@ outputs of the two prefill plans are compared (largest |difference| of the outpu
 a small case is checked against float64 attention: the plans over each whole context, the absorbed
 side (its output) over each whole sequence, causal.
 
-Crossover: per point, the fastest side, and the router's FLOP model
-(``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost`` over the groups the step planner
-forms) next to the measured ``absorbed_ms / shared_ms``. The router moves a step's short extends to
-the prefill path when prefill FLOPs < ``ROUTE_BELOW`` x absorbed FLOPs, i.e. when the predicted
-``absorbed / prefill`` exceeds 1 / ``ROUTE_BELOW``; ``route_below_range`` gives the values of
-``ROUTE_BELOW`` that would make that decision agree with the measurement at every point run.
+Crossover: per point, the fastest side, and the router's time model
+(``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost``: FLOPs over the H200 rates, over the
+groups the step planner forms) next to the measured ``absorbed_ms / shared_ms``. The router moves a
+step's short extends to the prefill path when the predicted prefill time < ``ROUTE_BELOW`` x the
+absorbed time, i.e. when the predicted ``absorbed / prefill`` exceeds 1 / ``ROUTE_BELOW``; a decision
+is right when the measured ratio is on the same side of that margin.
 """
 
 from __future__ import annotations

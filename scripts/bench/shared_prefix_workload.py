@@ -13,9 +13,9 @@ repetition, so only the prefixes hit the cache; every side gets the same prompts
 from __future__ import annotations
 
 import functools
-import random
 from dataclasses import dataclass
 
+from .common import seeded_tokens
 from .engine import SHARED_PREFIX_ENV
 
 SCENARIOS = ("shared", "private", "fresh", "decode")
@@ -139,9 +139,7 @@ def check_fits(points: list[Point], max_model_len: int) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _tokens(seed: str, length: int, vocab: int) -> tuple[int, ...]:
-    # A string seed: the same tokens in every process (str hashes are salted, Random(str) is not).
-    rng = random.Random(seed)
-    return tuple(rng.randrange(2, vocab) for _ in range(length))
+    return tuple(seeded_tokens(seed, length, vocab))  # prefixes: made once per process
 
 
 def prefixes(point: Point, vocab: int) -> list[tuple[int, ...]]:
@@ -166,11 +164,6 @@ def warm_prompts(point: Point, vocab: int) -> list[list[int]]:
 def timed_prompts(point: Point, rep: int, vocab: int) -> list[list[int]]:
     """Repetition ``rep``'s prompts: each request's prefix + N tokens of its own, new every repetition."""
     return [
-        [*prefix, *_fresh(f"{point.key}/rep{rep}/request{i}", point.new_tokens, vocab)]
+        [*prefix, *seeded_tokens(f"{point.key}/rep{rep}/request{i}", point.new_tokens, vocab)]
         for i, prefix in enumerate(prefixes(point, vocab))
     ]
-
-
-def _fresh(seed: str, length: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, vocab) for _ in range(length)]

@@ -7,7 +7,7 @@ environment switches reach vLLM's child processes as they would for a user):
     python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
         [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks|shared] \\
         [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench] \\
-        [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse]
+        [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse|segment-scale]
 
 Weights: ``sharp`` (default) loads the seeded sharp-attention checkpoint
 (scripts/gpu_harness/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
@@ -47,8 +47,8 @@ context computation (``compute_context`` as ``mla_prefill_ext.hosts.core.shared_
 calls it) the same way, before ``LLM(...)``, and record each call's plan from inside the engine
 process: ``--shared-evidence`` calls through unchanged; a mutant computes a deliberately wrong
 context (``other-prefix``: the shared segment gathers blocks that are not its prefix;
-``drop-segment-lse``: the shared segment never reaches the merge), which the parity check must
-catch.
+``drop-segment-lse``: the shared segment never reaches the merge; ``segment-scale``: the shared
+segment's softmax scale 2% off), which the parity check must catch.
 
 With ``--bench``: prefill throughput (prompt tokens/s, ``max_tokens=1``) for a grid of shapes.
 
@@ -70,8 +70,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "tiny_deepseek_v2"  # config only: dummy weights
 EXAMPLES = HERE.parent.parent / "examples"
-# The mutation scenarios' backends (mutant_backends.py) are test doubles: they live with the tests.
-TEST_DOUBLES = HERE.parent.parent / "tests" / "gpu"
+# The mutation scenarios' backends (doubles/mutant_backends.py): a folder of their own on the engine's
+# PYTHONPATH, so that only they become importable by class path there.
+TEST_DOUBLES = HERE / "doubles"
 MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
 SHARP_SEED = 0
 CHECKPOINT_DIR_ENV = "MLA_SHARP_CHECKPOINT_DIR"
@@ -89,11 +90,21 @@ SHARED_LONG, SHARED_LONG_NEW = 8, 1200
 SHARED_PRIVATE, SHARED_PRIVATE_CONTEXT, SHARED_PRIVATE_NEW = 8, 704, 600
 SHARED_MAX_NUM_BATCHED_TOKENS = 12288  # 8 x 1200 new tokens in one step
 SHARED_SETS = ("shared_warm", "shared_short", "shared_long", "shared_private_warm", "shared_private")
-SHARED_MUTANTS = ("other-prefix", "drop-segment-lse")
+SHARED_MUTANTS = ("other-prefix", "drop-segment-lse", "segment-scale")
+SEGMENT_SCALE_ERROR = 1.02  # the segment-scale mutant's softmax scale, relative to the layer's
 TOP_LOGPROBS = 2
 BENCH_GRID = [(1024, 1), (1024, 16), (4096, 1), (4096, 8), (8192, 4)]
 BENCH_REPS = 5
 VOCAB = 32000
+
+
+RECORD_KEYS = ("batch", "prefix_hit", "chunks", *SHARED_SETS)  # the prompt sets a result holds, in order
+
+
+def records(data: dict) -> list[dict]:
+    """A scenario result's per-prompt records, every prompt set it ran in :data:`RECORD_KEYS` order."""
+    res = data["results"]
+    return [r for key in RECORD_KEYS for r in res.get(key, [])]
 
 
 def prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -215,6 +226,53 @@ def chunk_evidence(evidence: Path, tokens: int) -> dict:
     return summary
 
 
+# --- test-only: vLLM's own prefill path for short extends ---------------------------------------
+
+
+def install_decode_threshold_wrapper(threshold: int, evidence: Path) -> list[tuple[str, Any]]:
+    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, lower its ``reorder_batch_threshold`` to
+    ``threshold`` (1: only one-token queries are decodes), so that stock vLLM serves short extends
+    on its prefill path, as it does with an MLA decode backend whose threshold is 1. The runner
+    reads the builders' thresholds after their construction (``calculate_reorder_batch_threshold``),
+    so the reorder and the builders' split agree. Records ``threshold STOCK NEW`` per builder.
+
+    The reference for a candidate that routes short extends to the prefill path: it compares
+    the prefill path's numerics with the prefill path's, not with the absorbed decode path's.
+    """
+    import wrapt
+    from vllm.model_executor.layers.attention import mla_attention
+
+    def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        stock = instance.reorder_batch_threshold
+        instance.reorder_batch_threshold = min(stock, threshold)
+        with open(evidence, "a") as f:
+            f.write(f"{os.getpid()} threshold {stock} {instance.reorder_batch_threshold}\n")
+
+    path = "MLACommonMetadataBuilder.__init__"
+    return [(path, wrapt.wrap_function_wrapper(mla_attention, path, builder_init))]
+
+
+def decode_threshold_evidence(evidence: Path, threshold: int) -> dict:
+    """What the threshold wrapper wrote; ``ok`` only if it ran in another process than this one."""
+    rows = []
+    if evidence.exists():
+        for line in evidence.read_text().splitlines():
+            pid, what, stock, new = line.split()
+            if what == "threshold":
+                rows.append((int(pid), int(stock), int(new)))
+    pids = sorted({pid for pid, _, _ in rows})
+    return {
+        "decode_threshold": threshold,
+        "builder_inits": len(rows),
+        "stock_thresholds": sorted({stock for _, stock, _ in rows}),
+        "thresholds": sorted({new for _, _, new in rows}),
+        "pids": pids,
+        "runner_pid": os.getpid(),
+        "ran_in_engine_process": bool(rows) and os.getpid() not in pids,
+    }
+
+
 # --- test-only: the shared-prefix context computation recorded, or made wrong ------------------
 
 SHARED_LAYER_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.layer"
@@ -228,11 +286,15 @@ def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str,
     the blocks after its prefix (other requests' blocks, or unused ones) instead of the prefix;
     ``drop-segment-lse`` runs the plan without its segments, so the shared prefix never reaches the
     merge (a step whose requests have no private context then gets no context at all: zero output
-    and an LSE of -inf, as vLLM writes for a request without context in a chunk). Each call writes
+    and an LSE of -inf, as vLLM writes for a request without context in a chunk);
+    ``segment-scale`` runs the segments with a softmax scale :data:`SEGMENT_SCALE_ERROR` times the
+    layer's (a copy of the segment instance; the smallest error the verdicts are meant to catch).
+    Each call writes
     one line of evidence (pid, mode, each segment's members, tokens and member query lengths).
 
     Returns ``(module, attribute, wrapper)``; :func:`uninstall_shared_context_wrapper` undoes it.
     """
+    import copy
     import dataclasses
     import importlib
 
@@ -262,6 +324,9 @@ def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str,
             blocks = layer.kv_cache.shape[0]
             shifted = (plan.segment_block_table.long() + plan.segment_block_table.shape[1]) % blocks
             plan = dataclasses.replace(plan, segment_block_table=shifted.to(plan.segment_block_table.dtype))
+        elif mode == "segment-scale" and segment_backend is not None:
+            segment_backend = copy.copy(segment_backend)  # the step's instance stays right
+            segment_backend.scale = segment_backend.scale * SEGMENT_SCALE_ERROR
         elif mode == "drop-segment-lse":
             if not plan.private_passes:
                 out, lse = wrapped(q, plan, table, step_backend, segment_backend, layer)
@@ -377,7 +442,9 @@ def run(args: argparse.Namespace) -> dict:
         install_context_chunk_wrapper(args.context_chunk_tokens, args.evidence)
     if args.shared_mode:
         install_shared_context_wrapper(args.shared_mode, args.shared_evidence_file)
-    if args.context_chunk_tokens or args.shared_mode:
+    if args.decode_threshold:
+        install_decode_threshold_wrapper(args.decode_threshold, args.threshold_evidence_file)
+    if args.context_chunk_tokens or args.shared_mode or args.decode_threshold:
         import torch
 
         if torch.cuda.is_initialized():  # vLLM would then spawn, without the wrapper
@@ -451,6 +518,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", type=Path, help="the sharp checkpoint (default: generated to a cache)")
     parser.add_argument("--prompts", choices=["parity", "chunks", "shared"], default="parity")
     parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
+    parser.add_argument(
+        "--decode-threshold",
+        type=int,
+        help="test-only: the MLA builders' reorder_batch_threshold (1: short extends on vLLM's prefill path)",
+    )
     shared = parser.add_mutually_exclusive_group()
     shared.add_argument(
         "--shared-evidence", action="store_true", help="test-only: record the shared-prefix path's plans"
@@ -477,6 +549,16 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def attach_evidence(record: dict, key: str, evidence: dict, failure: str, required: bool = True) -> None:
+    """A test-only wrapper's evidence into the run's record (and the log); a run that went well fails
+    with ``failure`` when the evidence is ``required`` and did not come from the engine process."""
+    record[key] = evidence
+    print(f"{key.replace('_', ' ')}:", json.dumps(evidence), flush=True)
+    if record["ok"] and required and not evidence["ran_in_engine_process"]:
+        record["ok"] = False
+        record["error"] = failure
+
+
 def main() -> int:
     parser = make_parser()
     args = parser.parse_args()
@@ -492,13 +574,15 @@ def main() -> int:
     if args.spawn:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     args.shared_mode = args.shared_mutant or ("record" if args.shared_evidence else None)
-    if (args.context_chunk_tokens or args.shared_mode) and args.spawn:
+    if (args.context_chunk_tokens or args.shared_mode or args.decode_threshold) and args.spawn:
         parser.error("the test-only wrappers need the engine forked (see the module docstring)")
     count_file = Path(args.out).with_suffix(".calls")
     args.evidence = Path(args.out).with_suffix(".chunks")
     args.evidence.unlink(missing_ok=True)
     args.shared_evidence_file = Path(args.out).with_suffix(".shared")
     args.shared_evidence_file.unlink(missing_ok=True)
+    args.threshold_evidence_file = Path(args.out).with_suffix(".threshold")
+    args.threshold_evidence_file.unlink(missing_ok=True)
     if args.custom:
         count_file.unlink(missing_ok=True)
         os.environ["MLA_PREFILL_COUNT_FILE"] = str(count_file)
@@ -531,26 +615,25 @@ def main() -> int:
         record["ok"] = False
         record["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+    not_forked = "left no evidence from the engine process (was the engine core spawned instead of forked?)"
     if args.context_chunk_tokens:
         evidence = chunk_evidence(args.evidence, args.context_chunk_tokens)
-        record["context_chunks"] = evidence
-        print("context chunks:", json.dumps(evidence), flush=True)
-        if record["ok"] and not evidence["ran_in_engine_process"]:
-            record["ok"] = False
-            record["error"] = (
-                "the --context-chunk-tokens wrapper left no evidence from the engine process "
-                "(was the engine core spawned instead of forked?)"
-            )
+        attach_evidence(
+            record, "context_chunks", evidence, f"the --context-chunk-tokens wrapper {not_forked}"
+        )
+    if args.decode_threshold:
+        evidence = decode_threshold_evidence(args.threshold_evidence_file, args.decode_threshold)
+        attach_evidence(record, "decode_threshold", evidence, f"the --decode-threshold wrapper {not_forked}")
     if args.shared_mode:
         evidence = shared_context_evidence(args.shared_evidence_file)
-        record["shared_context"] = evidence
-        print("shared context:", json.dumps(evidence), flush=True)
-        if record["ok"] and args.shared_mutant and not evidence["ran_in_engine_process"]:
-            record["ok"] = False
-            record["error"] = (
-                f"the --shared-mutant {args.shared_mutant} wrapper never ran in the engine process "
-                "(no shared-prefix plan, or the engine core was spawned instead of forked)"
-            )
+        attach_evidence(
+            record,
+            "shared_context",
+            evidence,
+            f"the --shared-mutant {args.shared_mutant} wrapper never ran in the engine process "
+            "(no shared-prefix plan, or the engine core was spawned instead of forked)",
+            required=bool(args.shared_mutant),
+        )
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
         record["custom_calls"] = {

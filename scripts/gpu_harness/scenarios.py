@@ -18,10 +18,12 @@ merges 4 context chunks), eager; they are compared with ``stock-chunks``. The mu
 
 The ``*-shared*`` scenarios run the ``shared`` prompt set (requests sharing a cached prefix,
 tests/gpu/test_shared_prefix.py): several stock lifetimes (``stock-shared``, ``-2``, ``-3``: stock is
-not bit-reproducible across engine lifetimes everywhere), the add-on on FLASH_ATTN with its
-shared-prefix path on (the default), off (``MLA_PREFILL_SHARED_PREFIX=0``), with context in chunks
-of ``CONTEXT_CHUNK_TOKENS``, compiled, and two deliberately wrong shared paths
-(``--shared-mutant``) that must fail the comparison.
+not bit-reproducible across engine lifetimes everywhere) and stock with short extends on its
+prefill path (``stock-shared-prefill*``, ``--decode-threshold 1``: the reference for the path on,
+which routes them there), the add-on on FLASH_ATTN with its shared-prefix path on (the default),
+off (``MLA_PREFILL_SHARED_PREFIX=0``), with context in chunks of ``CONTEXT_CHUNK_TOKENS``,
+compiled, and two deliberately wrong shared paths (``--shared-mutant``) that must fail the
+comparison.
 
 More scenarios (e.g. Ray executors) are more :class:`Scenario` entries: flags for the
 runner (see ``engine_runner.llm_kwargs``), ``env`` for the runner's environment,
@@ -50,6 +52,14 @@ SHARED = ("--prompts", "shared")
 SHARED_ADDON = (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-evidence")
 SHARED_CHUNKS = ("--context-chunk-tokens", str(CONTEXT_CHUNK_TOKENS))
 SHARED_OFF = (("MLA_PREFILL_SHARED_PREFIX", "0"),)
+# Stock vLLM with short extends on its prefill path (only one-token queries are decodes), as the
+# path routes them: the reference for a candidate that routes (vLLM's absorbed decode path and its
+# prefill path are two computations; on the sharp checkpoint they differ beyond bf16 noise).
+STOCK_PREFILL = ("--stock", *SHARED, "--decode-threshold", "1")
+# The stock lifetimes whose spread a shared-prefix candidate is held to: vLLM's decode path for short
+# extends (as shipped), and its prefill path (where the path on routes them).
+SHARED_STOCK = ("stock-shared", "stock-shared-2")
+SHARED_STOCK_PREFILL = ("stock-shared-prefill", "stock-shared-prefill-2", "stock-shared-prefill-3")
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ SCENARIOS = {
         Scenario("shim-fa-tp2", ("--backend-env", "FLASH_ATTN", "--tp", "2"), gpus=2),
         Scenario("shim-fi-tp2", ("--backend-env", "FLASHINFER", "--tp", "2"), gpus=2),
         Scenario("custom-tp2", ("--custom", "--backend-env", "CUSTOM", "--tp", "2"), gpus=2),
-        # The portable backend (used by the bridge's run on vLLM 0.25.1, tests/gpu/bridge_025.sh).
+        # The portable backend (used by the bridge's run on vLLM 0.25.1, scripts/gpu_bridge_suite.sh).
         Scenario("shim-sdpa", ("--backend-env", "TORCH_SDPA")),
         Scenario("shim-sdpa-eager", ("--backend-env", "TORCH_SDPA", "--eager")),
         # Calibration: vLLM's own prefill on FlashAttention 2 (the algorithm PyTorch's flash SDPA
@@ -101,9 +111,12 @@ SCENARIOS = {
         # Shared-prefix parity (issue 27): eager but for the compiled pair.
         Scenario("stock-shared", ("--stock", *SHARED, "--eager")),
         Scenario("stock-shared-2", ("--stock", *SHARED, "--eager")),
-        Scenario("stock-shared-3", ("--stock", *SHARED, "--eager")),
-        Scenario("stock-shared-chunks", ("--stock", *SHARED, *SHARED_CHUNKS, "--eager")),
+        Scenario("stock-shared-prefill", (*STOCK_PREFILL, "--eager")),
+        Scenario("stock-shared-prefill-2", (*STOCK_PREFILL, "--eager")),
+        Scenario("stock-shared-prefill-3", (*STOCK_PREFILL, "--eager")),
+        Scenario("stock-shared-prefill-chunks", (*STOCK_PREFILL, *SHARED_CHUNKS, "--eager")),
         Scenario("shim-fa-shared", (*SHARED_ADDON, "--eager")),
+        Scenario("shim-fa-shared-2", (*SHARED_ADDON, "--eager")),
         Scenario("shim-fa-shared-off", (*SHARED_ADDON, "--eager"), env=SHARED_OFF),
         Scenario("shim-fa-shared-chunks", (*SHARED_ADDON, *SHARED_CHUNKS, "--eager")),
         Scenario(
@@ -114,7 +127,11 @@ SCENARIOS = {
             "mutant-shared-drop-lse",
             (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "drop-segment-lse", "--eager"),
         ),
-        Scenario("stock-shared-compiled", ("--stock", *SHARED)),
+        Scenario(
+            "mutant-shared-segment-scale",
+            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "segment-scale", "--eager"),
+        ),
+        Scenario("stock-shared-prefill-compiled", STOCK_PREFILL),
         Scenario("shim-fa-shared-compiled", SHARED_ADDON),
     ]
 }

@@ -46,6 +46,7 @@ mutants fail that one too.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -240,6 +241,36 @@ def family_noise(
     third token at a near-tie (docs/gpu-verification.md, the 0.25.1 calibration)."""
     bound = kernel_family_bound(calibration)
     return bf16_noise(candidate, reference, bound, label, runner_up_only=False, kind="family_noise")
+
+
+def lifetime_calibrations(lifetimes: Sequence[tuple[str, Sequence[dict]]]) -> list[Verdict]:
+    """Stock against stock: :func:`bf16_noise` of every pair of ``lifetimes`` (label, records), passed or
+    not, the calibrations :func:`lifetime_bound` reads."""
+    return [
+        bf16_noise(a, b, label=f"{la} vs {lb}") for (la, a), (lb, b) in itertools.combinations(lifetimes, 2)
+    ]
+
+
+def lifetime_bound(calibrations: Sequence[Verdict], headroom: float = KERNEL_FAMILY_HEADROOM) -> float:
+    """The noise bound of a prompt set on which stock is not reproducible across engine lifetimes:
+    the widest of ``calibrations`` (bf16_noise verdicts of stock lifetimes against each other, passed
+    or not), as :func:`kernel_family_bound` reads one, with ``headroom``."""
+    if not calibrations:
+        raise ValueError("a lifetime bound needs at least one stock-against-stock verdict")
+    return max(kernel_family_bound(c, headroom) for c in calibrations)
+
+
+def lifetime_noise(
+    candidate: Sequence[dict], reference: Sequence[dict], calibrations: Sequence[Verdict], label: str = ""
+) -> Verdict:
+    """No further from a stock lifetime than stock's lifetimes are from each other.
+
+    For a prompt set where two stock engines, identical but for their lifetime, already differ beyond
+    :data:`BF16_NOISE_BOUND` (the shared-prefix set: 16 short extends in one step over a cached prefix,
+    docs/gpu-verification.md): :func:`bf16_noise` with :func:`lifetime_bound` of ``calibrations``, a
+    flip at a near-tie to any token (stock's own lifetimes pick different tokens there)."""
+    bound = lifetime_bound(calibrations)
+    return bf16_noise(candidate, reference, bound, label, runner_up_only=False, kind="lifetime_noise")
 
 
 def summary(verdict: Verdict) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gzip
 import importlib
 import importlib.metadata
 import json
@@ -77,10 +78,10 @@ def test_kernel_report_rebuilds_the_recorded_h200_tables(tmp_path):
     """docs/benchmarks.md's kernel tables come from the recorded run's log via kernel_report.py."""
     recorded = ROOT / "docs" / "results" / "h200-2026-11-29"
     out, md = tmp_path / "kernel.json", tmp_path / "tables.md"
-    log = str(recorded / "bench-kernel.log")
+    log = str(recorded / "bench-kernel.log.gz")  # stored gzipped (docs/results/README.md)
     run_bench("kernel_report", "--kernel-log", log, "--json", str(out), "--markdown", str(md))
     rebuilt = json.loads(out.read_text())
-    committed = json.loads((recorded / "bench-kernel.json").read_text())
+    committed = json.loads(gzip.decompress((recorded / "bench-kernel.json.gz").read_bytes()))
     assert rebuilt["kernel"] == committed["kernel"]
     assert rebuilt["selection"] == committed["selection"]
     assert "| new_tokens | 128,64,128 | 16 | 1x4096 | 645 / 629 (1.025)" in md.read_text()
@@ -174,3 +175,69 @@ def test_the_measurements_are_one_package():
             if hits := [name for name in names if name.split(".")[0] in modules]:
                 by_bare_name.setdefault(path.name, []).extend(hits)
     assert not by_bare_name, by_bare_name
+
+
+def test_prefix_host_cost_times_every_part_on_vllms_own_objects(tmp_path):
+    """prefix_host_cost.py builds every part from vLLM's real classes on the CPU and times each one."""
+    bench = load_script("prefix_host_cost")
+    out = tmp_path / "host.json"
+    args = ["--requests", "2", "--prefix", "256", "--repeats", "1", "--block-size", "64", "16"]
+    proc = run_bench("prefix_host_cost", *args, "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["environment"]["vllm"] == importlib.metadata.version("vllm")
+    assert "cpu" in data["environment"] and data["args"]["prefix"] == 256
+    keys = [key for key, _, _ in bench.PARTS]
+    assert [r["block_size"] for r in data["prefix_host_cost"]] == [64, 16]
+    for res in data["prefix_host_cost"]:
+        assert res["not_built"] == {} and res["not_run"] == {}, res
+        assert res["scheduler_cls"].endswith("AsyncScheduler") and res["hash_algo"] == "sha256"
+        assert res["prefix_blocks_cached"] == 256 // res["block_size"]
+        # the prefix came from the cache, one new token each was scheduled, both requests finished
+        assert res["cached_tokens"] == [512] and res["scheduled_tokens"] == [2]
+        assert res["finished_requests"] == [2]
+        assert list(res["parts"]) == keys
+        for key in keys:
+            part = res["parts"][key]
+            assert len(res["raw_ms"][key]) == 1, key
+            if key != "gc":  # the collector need not run in a small call
+                assert part["median_ms"] > 0 and part["min_ms"] > 0, key
+        in_total = [key for key, _, counted in bench.PARTS if counted]
+        assert res["total"]["raw_ms"][0] == pytest.approx(sum(res["raw_ms"][k][0] for k in in_total))
+    assert proc.stdout.count("| total (rows not marked 'of which') |") == 2
+    assert "not built" not in proc.stdout and "not run" not in proc.stdout
+
+
+def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypatch):
+    """A part vLLM cannot build here is reported with its reason; the parts needing it did not run."""
+    bench = load_script("prefix_host_cost")
+    monkeypatch.setenv("MLA_PREFILL_EXT_DISABLE", "1")
+
+    def no_runner(self):
+        raise RuntimeError("the runner needs CUDA here")
+
+    monkeypatch.setattr(bench.Engine, "_runner", no_runner)
+    out = tmp_path / "host.json"
+    import torch
+
+    threads = str(torch.get_num_threads())  # this process's setting stays as it is
+    bench.main(
+        [
+            "--requests",
+            "2",
+            "--prefix",
+            "128",
+            "--repeats",
+            "1",
+            "--torch-threads",
+            threads,
+            "--json",
+            str(out),
+        ]
+    )
+    (res,) = json.loads(out.read_text())["prefix_host_cost"]
+    assert res["not_built"]["runner"].startswith("RuntimeError: the runner needs CUDA here")
+    for key in ("runner_add", "runner_commit", "runner_remove"):
+        assert res["parts"][key]["not_run"].startswith("not built: RuntimeError"), key
+        assert res["raw_ms"][key] == []
+    assert res["parts"]["sched_update"]["median_ms"] > 0  # the scheduler still ran
+    assert res["finished_requests"] == [2]

@@ -25,6 +25,7 @@ import things, and needs guards to stop the recursion.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -409,13 +410,13 @@ def imports_of_the_test_suite(source: str, suite: set[str]) -> list[str]:
 
 def test_the_scripts_check_sees_every_form_of_import():
     suite = suite_modules()
-    assert {"tests", "conftest", "custom_backends", "mutant_backends"} <= suite
+    assert {"tests", "conftest", "custom_backends", "cli_runs"} <= suite
     for source in (
         "from tests.gpu import scenarios",
         "import tests.gpu.scenarios",
         "import custom_backends",
         "def f():\n    import custom_backends",
-        "from mutant_backends import ScaleOffBackend",
+        "from cli_runs import start",
         "import importlib\nimportlib.import_module('tests.gpu.scenarios')",
     ):
         assert imports_of_the_test_suite(source, suite), source
@@ -440,3 +441,21 @@ def test_nothing_under_scripts_imports_tests():
     assert not found, (
         f"scripts import the test suite (move what they need to mla_prefill_ext.testing): {found}"
     )
+
+
+# Python that the shell scripts under scripts/ run inline (python -c "...", heredocs): the same rule.
+INLINE_IMPORT_OF_THE_SUITE = re.compile(r"^\s*(from\s+tests[.\s]|import\s+tests\b)", re.MULTILINE)
+
+
+def test_no_shell_script_under_scripts_imports_tests():
+    shell = sorted(SCRIPTS_DIR.rglob("*.sh"))
+    assert shell
+    found = [
+        f"{path.relative_to(REPO_ROOT)}:{text[: m.start()].count(chr(10)) + 1}"
+        for path in shell
+        for text in [path.read_text()]
+        for m in INLINE_IMPORT_OF_THE_SUITE.finditer(text)
+    ]
+    assert not found, f"shell scripts import the test suite in inline Python: {found}"
+    assert INLINE_IMPORT_OF_THE_SUITE.search('  "$python" -c "\nfrom tests.gpu.recorded_runs import check')
+    assert not INLINE_IMPORT_OF_THE_SUITE.search("python -m pytest tests/gpu/test_shared_prefix.py")

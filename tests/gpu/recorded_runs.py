@@ -53,12 +53,7 @@ def log_of(name: str) -> str:
     return scenarios.log_text(_chosen(name)[0], name)
 
 
-RECORD_KEYS = ("batch", "prefix_hit", "chunks", *engine_runner.SHARED_SETS)
-
-
-def records(data: dict) -> list[dict]:
-    res = data["results"]
-    return [r for key in RECORD_KEYS for r in res.get(key, [])]
+records = engine_runner.records  # a scenario result's records, every prompt set in a fixed order
 
 
 def outputs(name: str) -> list[dict]:

@@ -1,6 +1,6 @@
 """The bridge on vLLM 0.25.1, end to end on a GPU: the add-on's backends inside vLLM's own selector.
 
-Run by tests/gpu/bridge_025.sh on a GPU host with vLLM 0.25.1 installed (vLLM 0.33 needs a
+Run by scripts/gpu_bridge_suite.sh on a GPU host with vLLM 0.25.1 installed (vLLM 0.33 needs a
 PyTorch the GPU host does not have: the CPU suite is its proof). The scenarios are those of
 the 0.20 suite (scripts/gpu_harness/scenarios.py); ``stock`` is vLLM 0.25.1 with the add-on disabled,
 so its MLA prefill is vLLM's own FLASH_ATTN backend. The verdicts:

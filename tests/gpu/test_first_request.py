@@ -25,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-HERE = Path(__file__).resolve().parent
+DOUBLES = ROOT / "scripts" / "gpu_harness" / "doubles"  # mutant_backends, by class path
 
 
 def prefill_modules(report: dict) -> set[str]:
@@ -38,7 +38,7 @@ def first_wave(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     cache = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(tmp / "flashinfer")
     env = dict(os.environ)
     env["MLA_PREFILL_BACKEND_OVERRIDES"] = json.dumps({"CUSTOM": "mutant_backends.FlashInferWithoutWarmup"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DOUBLES), env.get("PYTHONPATH")]))
     out = tmp / "first-request.json"
     logs = Path(os.environ.get("MLA_FIRST_REQUEST_LOGS") or tmp / "logs")
     command = [sys.executable, "-m", "scripts.bench", "first_request", "--sides", "FLASHINFER,CUSTOM"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import torch
 
 from scripts.gpu_harness import engine_runner, scenarios
 
-STOCK = ["stock-shared", "stock-shared-2", "stock-shared-3"]
+STOCK = ["stock-shared", "stock-shared-2"]
 BLOCK_SLACK = 64  # the largest page size of the MLA backends
 DECODE_THRESHOLD = 512  # FLASH_ATTN_MLA's reorder_batch_threshold: extends up to this are decodes in stock
 
@@ -74,20 +76,32 @@ def test_the_shared_scenarios_ask_for_what_they_compare():
         ("--prompts", "shared") == f[f.index("--prompts") : f.index("--prompts") + 2] for f in flags.values()
     )
     assert [n for n, f in flags.items() if "--eager" not in f] == [
-        "stock-shared-compiled",
+        "stock-shared-prefill-compiled",
         "shim-fa-shared-compiled",
+    ]
+    prefill_path = [
+        "stock-shared-prefill",
+        "stock-shared-prefill-2",
+        "stock-shared-prefill-3",
+        "stock-shared-prefill-chunks",
     ]
     assert [n for n, f in flags.items() if "--stock" in f] == [
         *STOCK,
-        "stock-shared-chunks",
-        "stock-shared-compiled",
+        *prefill_path,
+        "stock-shared-prefill-compiled",
     ]
+    # The references for the path on (which routes short extends) serve them on vLLM's prefill path.
+    assert [n for n, f in flags.items() if "--decode-threshold" in f] == [
+        *prefill_path,
+        "stock-shared-prefill-compiled",
+    ]
+    assert all(flags[n][flags[n].index("--decode-threshold") + 1] == "1" for n in prefill_path)
     assert dict(scenarios.SCENARIOS["shim-fa-shared-off"].env) == {"MLA_PREFILL_SHARED_PREFIX": "0"}
     assert not any(scenarios.SCENARIOS[n].env for n in flags if n != "shim-fa-shared-off")
     assert {f[f.index("--shared-mutant") + 1] for n, f in flags.items() if "--shared-mutant" in f} == set(
         engine_runner.SHARED_MUTANTS
     )
-    for name in ("shim-fa-shared-chunks", "stock-shared-chunks"):
+    for name in ("shim-fa-shared-chunks", "stock-shared-prefill-chunks"):
         assert "--context-chunk-tokens" in flags[name]
 
 
@@ -132,7 +146,7 @@ def test_the_shared_context_wrapper_installs_changes_the_plan_and_unwraps(probe,
         assert layer.compute_context is installed[2] and layer.compute_context.__wrapped__ is original
         kv_cache = torch.zeros(10, BS, 8)
         q = torch.zeros(9, 2, 8)
-        segment_backend = object()
+        segment_backend = SimpleNamespace(scale=0.125)
         out, lse = layer.compute_context(
             q, plan, torch.zeros(3, 4), object(), segment_backend, SimpleNamespace(kv_cache=kv_cache)
         )
@@ -143,6 +157,10 @@ def test_the_shared_context_wrapper_installs_changes_the_plan_and_unwraps(probe,
     if mode == "record":
         assert seen is plan and seen_backend is segment_backend
         assert torch.equal(out, torch.ones(9, 2, 4)) and torch.equal(lse, torch.zeros(2, 9))
+    elif mode == "segment-scale":
+        # The plan as it was; a copy of the segment instance with the scale 2% off, the step's untouched.
+        assert seen is plan and seen_backend is not segment_backend
+        assert seen_backend.scale == pytest.approx(0.125 * 1.02) and segment_backend.scale == 0.125
     elif mode == "other-prefix":
         # The segment gathers the two blocks after its own prefix.
         assert seen.segment_block_table.tolist() == [[5, 6]] and seen.segments == plan.segments
@@ -178,3 +196,69 @@ def test_a_shared_mutant_leaves_the_plan_it_was_given_unchanged(probe, tmp_path)
 def test_an_unknown_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown"):
         engine_runner.install_shared_context_wrapper("wrong", tmp_path / "e")
+
+
+# --- the stock reference with short extends on vLLM's prefill path ------------------------------
+
+
+def test_the_decode_threshold_wrapper_lowers_a_real_builders_threshold_and_unwraps(
+    clean_selection, model_dirs, tmp_path
+):
+    """vLLM's MLA builder, constructed as the engine constructs it, with FLASH_ATTN_MLA's class-level
+    threshold of 512: after the wrapper's init the instance holds 1 (the runner reads it from there).
+    The add-on is active only so that a layer can be built on a CPU on every vLLM of the matrix."""
+    from mla_layer_on_cpu import activate_on_this_vllm, build_layer
+    from vllm.config import set_current_vllm_config
+
+    from mla_prefill_ext.testing import vllm_host as host
+
+    mla_attention = activate_on_this_vllm(clean_selection)
+
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
+    base = layer.attn_backend.get_builder_cls()
+    assert issubclass(base, mla_attention.MLACommonMetadataBuilder)
+    # As FLASH_ATTN_MLA declares it: short extends (<= 512 new tokens) are decodes.
+    varlen = type(base.query_len_support).VARLEN
+    wide = type(
+        "WideThresholdBuilder",
+        (base,),
+        {"reorder_batch_threshold": DECODE_THRESHOLD, "query_len_support": varlen},
+    )
+
+    def build() -> Any:
+        with host.gpu_view(None), set_current_vllm_config(cfg):
+            spec = layer.get_kv_cache_spec(cfg)
+            return wide(spec, [layer.layer_name], cfg, torch.device("cpu"))
+
+    assert build().reorder_batch_threshold == DECODE_THRESHOLD  # unwrapped: vLLM's own value
+    evidence = tmp_path / "run.threshold"
+    [(path, wrapper)] = engine_runner.install_decode_threshold_wrapper(1, evidence)
+    try:
+        assert build().reorder_batch_threshold == 1
+    finally:
+        mla_attention.MLACommonMetadataBuilder.__init__ = wrapper.__wrapped__
+    assert build().reorder_batch_threshold == DECODE_THRESHOLD
+    assert path == "MLACommonMetadataBuilder.__init__"
+    assert evidence.read_text().splitlines() == [f"{os.getpid()} threshold {DECODE_THRESHOLD} 1"]
+    summary = engine_runner.decode_threshold_evidence(evidence, 1)
+    # Written from this process here; in a scenario, from the engine's.
+    assert summary["stock_thresholds"] == [DECODE_THRESHOLD] and summary["thresholds"] == [1]
+    assert not summary["ran_in_engine_process"]
+
+
+def test_the_pairs_of_the_recorded_h200_run_read_as_the_docs_say(capsys):
+    """docs/results/h200-2026-12-01-shared-prefix-parity: the path on within the prefill-path lifetimes'
+    bound against each of them, both mutants outside it against every stock lifetime."""
+    from pathlib import Path
+
+    from scripts.gpu_harness import shared_pairs
+
+    record = Path(__file__).resolve().parents[2] / "docs/results/h200-2026-12-01-shared-prefix-parity"
+    assert shared_pairs.main([str(record / "run1"), str(record / "run2")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "lifetime bound: 0.1767" in lines
+    on = [line for line in lines if line.startswith("shim-fa-shared") and "prefill" in line.split(":")[0]]
+    assert len(on) == 6 and all(": pass (bound 0.177)" in line for line in on)
+    mutants = [line for line in lines if line.startswith("mutant-")]
+    assert len(mutants) == 10 and all(": FAIL" in line for line in mutants)

@@ -220,3 +220,41 @@ def test_family_noise_refuses_what_the_calibration_does_not_cover(stock):
     flip[1]["tokens"][2] = 99  # stock's gap there is 3.0: no near-tie at any bound
     v = verdict.family_noise(flip, stock, calibration)
     assert not v.passed and "is not a near-tie" in v.reason
+
+
+# --- lifetime_noise: the bound from stock's own lifetimes ---------------------------------------
+
+
+def _lifetime(stock: list[dict], shift: float, flip_gap: float | None = None) -> list[dict]:
+    """A stock lifetime: every logprob moved by ``shift``; with ``flip_gap``, the second prompt's
+    second token flips where the reference's top-1/top-2 gap is ``flip_gap``."""
+    other = copy.deepcopy(stock)
+    for r in other:
+        r["logprobs"] = [lp + shift for lp in r["logprobs"]]
+    if flip_gap is not None:
+        other[1]["tokens"][1] = 99
+    return other
+
+
+def test_the_lifetime_bound_is_the_widest_stock_pair_with_headroom(stock):
+    wide = copy.deepcopy(stock)
+    wide[1]["top2"][1][1] = wide[1]["top2"][1][0] - 0.1  # stock's gap 0.1 where the other lifetime flips
+    pairs = [
+        verdict.bf16_noise(_lifetime(stock, 0.02), stock),  # 0.02 apart, passes bf16_noise
+        verdict.bf16_noise(_lifetime(wide, 0.0, flip_gap=0.1), wide),  # a flip at gap 0.1: fails it
+    ]
+    assert pairs[0].passed and not pairs[1].passed
+    assert verdict.lifetime_bound(pairs) == pytest.approx(verdict.KERNEL_FAMILY_HEADROOM * 0.1)
+    with pytest.raises(ValueError, match="at least one"):
+        verdict.lifetime_bound([])
+
+
+def test_within_stocks_own_spread_passes_and_a_wrong_path_does_not(stock):
+    calibration = [verdict.bf16_noise(_lifetime(stock, 0.1), stock)]  # stock's lifetimes 0.1 apart
+    assert not calibration[0].passed  # beyond BF16_NOISE_BOUND: bf16_noise alone would fail everyone
+    within = verdict.lifetime_noise(_lifetime(stock, 0.11), stock, calibration)
+    assert within.passed and within.kind == "lifetime_noise" and within.bound == pytest.approx(0.125)
+    assert not verdict.lifetime_noise(_lifetime(stock, 0.13), stock, calibration).passed
+    wrong = copy.deepcopy(stock)
+    wrong[0]["tokens"][0] = 42  # a flip where stock's gap is 1.0: not a near-tie at any bound here
+    assert not verdict.lifetime_noise(wrong, stock, calibration).passed

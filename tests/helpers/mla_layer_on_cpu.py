@@ -28,6 +28,33 @@ CHUNK_WORKSPACE = 32
 TOLERANCE = 2.0**-7  # of the largest |reference| value: bf16 rounding with 4x margin
 
 
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+
+
+def activate_on_this_vllm(monkeypatch: Any) -> Any:
+    """The add-on active on this vLLM's host with TORCH_SDPA, vLLM's MLA module loaded (what wraps it
+    then has wrapped it): a layer is then buildable on a CPU on every vLLM of the matrix (on 0.23+ stock
+    vLLM's own prefill pick imports FA utilities a CPU wheel lacks). Returns the MLA module."""
+    import importlib
+
+    import pytest
+
+    import mla_prefill_ext
+    from mla_prefill_ext import versions
+
+    decision = versions.decide()
+    if decision.mode == versions.NONE:
+        pytest.skip(f"vLLM {decision.vllm_version} has no host")
+    mla_prefill_ext.activate()
+    if decision.mode == versions.BRIDGE:
+        from mla_prefill_ext.hosts import vllm_0_23
+
+        importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
+    module = importlib.import_module(MLA_MODULE)
+    monkeypatch.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
+    return module
+
+
 def build_layer(
     cfg: Any, capability: tuple[int, int] | None, prefix: str = "model.layers.0.self_attn"
 ) -> Any:

@@ -2,7 +2,8 @@
 
 Each mutant is the add-on's FLASH_ATTN backend with one realistic mistake, registered
 as CUSTOM by class path (``engine_runner.py --custom-class mutant_backends.ScaleOffBackend``;
-this folder is put on ``PYTHONPATH`` so vLLM's engine processes import it too):
+this folder, ``scripts/gpu_harness/doubles``, is put on ``PYTHONPATH`` so vLLM's engine processes
+import it too; the CPU tests of the hosts register the SDPA mutants the same way):
 
 * :class:`ScaleOffBackend`: softmax scale 2% too large (a backend that recomputes the
   scale instead of taking the layer's, e.g. dropping part of the YaRN mscale);

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mla_layer_on_cpu import TOLERANCE, build_layer, cpu_step_kernels, make_builder, recording
+from mla_layer_on_cpu import (
+    TOLERANCE,
+    activate_on_this_vllm,
+    build_layer,
+    cpu_step_kernels,
+    make_builder,
+    recording,
+)
 from vllm_runner_objects import runner_block_table, runner_input_batch
 
 from mla_prefill_ext import versions
@@ -54,19 +61,7 @@ def _path() -> Any:
 @pytest.fixture
 def activated(clean_selection: pytest.MonkeyPatch) -> Any:
     """The add-on active on this vLLM's host, vLLM's MLA module loaded (the path wraps it then)."""
-    import mla_prefill_ext
-
-    decision = versions.decide()
-    if decision.mode == versions.NONE:
-        pytest.skip(f"vLLM {decision.vllm_version} has no host")
-    mla_prefill_ext.activate()
-    if decision.mode == versions.BRIDGE:
-        from mla_prefill_ext.hosts import vllm_0_23
-
-        importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
-    module = importlib.import_module(MLA_MODULE)
-    clean_selection.setenv("MLA_PREFILL_BACKEND", "TORCH_SDPA")
-    return module
+    return activate_on_this_vllm(clean_selection)
 
 
 @pytest.fixture
@@ -278,12 +273,21 @@ def _short_extends(prefix_blocks: int, new: int, count: int, shared: bool) -> tu
     return _input_batch(requests), scheduled
 
 
-@pytest.mark.parametrize("new", [32, 128, 512])
+@pytest.mark.parametrize("new", [64, 128, 512])
 def test_short_extends_sharing_a_long_prefix_are_routed_to_the_prefill_path(activated, new):
     from mla_prefill_ext.hosts.core.shared_prefix import routing
 
     batch, scheduled = _short_extends(prefix_blocks=256, new=new, count=16, shared=True)  # 4,096 shared
     assert routing.step_threshold(batch, scheduled, 512) == 1
+
+
+def test_very_short_extends_over_a_shared_prefix_stay_where_the_h200_found_no_gain(activated):
+    """16 x 32 new tokens: the prefix's one up-projection costs about what absorbed attention saves (one
+    R1 layer on the H200: 1.06x; routing.H200_TFLOPS), so the step stays on vLLM's decode path."""
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    batch, scheduled = _short_extends(prefix_blocks=256, new=32, count=16, shared=True)
+    assert routing.step_threshold(batch, scheduled, 512) is None
 
 
 @pytest.mark.parametrize("new", [32, 512])

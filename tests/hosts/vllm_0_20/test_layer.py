@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -267,12 +266,12 @@ def test_forward_mha_with_context_chunks_matches_the_reference(shim, clean_selec
 def test_forward_mha_with_context_catches_a_wrong_backend(shim, clean_selection, model_dirs, mutant):
     """The check above fails a backend with the softmax scale 2% off or the LSE in base 2.
 
-    The mutants (tests/gpu/mutant_backends.py, the GPU suite's mutation scenarios on the
+    The mutants (scripts/gpu_harness/doubles/mutant_backends.py, the GPU suite's mutation scenarios on the
     portable kernel) are registered as CUSTOM and selected as a user would.
     """
     from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "gpu"))
+    clean_selection.syspath_prepend(str(Path(__file__).parents[3] / "scripts" / "gpu_harness" / "doubles"))
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
     clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
     cfg = host.make_vllm_config(model_dirs["yarn"])

@@ -103,6 +103,19 @@ def test_a_native_choice_without_an_addon_choice_is_untouched(
         assert stock[1].__module__.startswith("vllm.")  # vLLM's own FLASH_ATTN
 
 
+def test_an_invalid_overrides_variable_stops_a_native_choice_too(bridged, clean_selection, model_dirs):
+    """vLLM's own attention_config choice does not run past a broken MLA_PREFILL_BACKEND_OVERRIDES."""
+    from mla_prefill_ext import settings
+
+    clean_selection.setenv(settings.OVERRIDES_ENV, "{CUSTOM: my_sdpa.MySDPABackend}")
+    with host.gpu_view((9, 0)), pytest.raises(ValueError) as info:
+        bridged.selector.get_mla_prefill_backend(native_config(model_dirs["plain"], "FLASH_ATTN"))
+    assert str(info.value).startswith(
+        f"{settings.OVERRIDES_ENV}='{{CUSTOM: my_sdpa.MySDPABackend}}' cannot be used"
+    )
+    assert settings.OVERRIDES_EXAMPLE in str(info.value)
+
+
 def test_the_addon_choice_wins_over_a_different_native_one_in_one_info_line(
     bridged, clean_selection, model_dirs, info_log
 ):
@@ -401,7 +414,7 @@ def test_forward_mha_through_the_bridge_catches_a_wrong_backend(bridged, clean_s
 
     from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
 
-    clean_selection.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    clean_selection.syspath_prepend(str(ROOT / "scripts" / "gpu_harness" / "doubles"))
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, f"mutant_backends.{mutant}")
     clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
     cfg = host.make_vllm_config(model_dirs["yarn"])

@@ -5,7 +5,7 @@ vLLM serves a request with cached context and at most ``reorder_batch_threshold`
 FLOPs of up-projected attention per query, and nothing shared. For a step whose short extends
 share cached blocks, the prefill path with the shared segments (:mod:`.step`) does the prefix's
 up-projection once and attends with 320-wide heads instead of 1,088. Per step, before vLLM
-reorders the batch, :func:`step_threshold` compares the two by FLOPs over all of the step's
+reorders the batch, :func:`step_threshold` compares the two by predicted time over all of the step's
 short extends (those not in a group pay their own up-projection on the prefill path); when the
 prefill side costs less than :data:`ROUTE_BELOW` of the absorbed side, the step's decode
 threshold is lowered to 1 for the reorder and for the builders' split, so those requests become
@@ -14,6 +14,13 @@ vLLM counts as decodes when every request of the step is that short (their atten
 own few tokens either way). Everything else stays where vLLM puts it: true decodes (one new token),
 long extends, long prompts. Groups are those the step planner forms (:mod:`.costs`), so a routed step
 has its shared segment. Not with speculative decoding (its decodes have several tokens).
+
+The comparison is in time, not FLOPs: each side's FLOPs over the rate that part ran at on an H200
+(:data:`H200_TFLOPS`, one layer of R1 at 16 heads, ``python -m scripts.bench shared_prefix_layer``,
+docs/benchmarks.md section 11). The up-projection runs at a third of the attention kernels' rate
+(it also gathers the latents and writes K and V), so by FLOPs alone the router moved steps that only
+broke even (16 requests, 32 new tokens each over a 32k prefix: 1.06x measured for one layer, 1.89x
+predicted by FLOPs; 1.02x by time).
 """
 
 from __future__ import annotations
@@ -28,13 +35,22 @@ from mla_prefill_ext.hosts.core.shared_prefix import costs, switch
 from mla_prefill_ext.shared_prefix import find_shared_prefixes
 
 ROUTE_BELOW = 0.8
-"""Route when the prefill side's FLOPs are below this share of the absorbed side's (re-chunking,
-extra launches and host work are not in the FLOP count)."""
+"""Route when the prefill side's predicted time is below this share of the absorbed side's (the new
+tokens' own attention pass, the step's planning and extra launches are not in the model)."""
 
 # FLOPs per (query, context token) and per up-projected context token, per head, at R1's dims.
 ABSORBED_PER_QK = 2 * (512 + 64 + 512)  # scores over 576 latent dims, values over 512
 PREFILL_PER_QK = 2 * (192 + 128)
 UP_PROJECTION_PER_TOKEN = 2 * 512 * (128 + 128)
+
+H200_TFLOPS = {"absorbed": 622.0, "prefill_attention": 739.0, "up_projection": 215.0}
+"""Each part's rate on an H200 (vLLM 0.20.2, FA3, bf16; one R1 layer, 16 requests over a shared 32k
+prefix, N = 32, 128, 256, 512 new tokens each), least-squares fits of the layer benchmark's times: the
+absorbed side's time as a line through the origin in N; the shared side's as a line, whose slope is the
+segment's attention and whose intercept (0.64 ms) the prefix's up-projection with its gather and K/V
+writes. Only their ratios matter."""
+
+_FLOPS_PER_US = {part: tflops * 1e6 for part, tflops in H200_TFLOPS.items()}  # TFLOP/s = 1e6 FLOP/us
 
 ROUTED = [0]  # steps whose short extends were routed here, in this process (evidence for benchmarks)
 STEPS = [0]  # steps the runner reordered (every scheduled step), in this process
@@ -53,15 +69,19 @@ def current_threshold() -> int | None:
 def route_cost(
     q: np.ndarray, ctx: np.ndarray, shared: np.ndarray, group_tokens: list[int]
 ) -> tuple[float, float]:
-    """(absorbed, prefill) FLOPs per head of the short extends ``q`` new over ``ctx`` cached tokens.
+    """(absorbed, prefill) predicted time of the short extends ``q`` new over ``ctx`` cached tokens,
+    in microseconds per head of one layer (FLOPs over :data:`H200_TFLOPS`).
 
     ``shared[i]``: the tokens of request ``i``'s context its group up-projects once
     (``group_tokens``, one entry per group).
     """
     attention = float((q * ctx).sum())
-    absorbed = ABSORBED_PER_QK * attention
     projected = float((ctx - shared).sum()) + float(sum(group_tokens))
-    prefill = PREFILL_PER_QK * attention + UP_PROJECTION_PER_TOKEN * projected
+    absorbed = ABSORBED_PER_QK * attention / _FLOPS_PER_US["absorbed"]
+    prefill = (
+        PREFILL_PER_QK * attention / _FLOPS_PER_US["prefill_attention"]
+        + UP_PROJECTION_PER_TOKEN * projected / _FLOPS_PER_US["up_projection"]
+    )
     return absorbed, prefill
 
 
