@@ -16,6 +16,8 @@ pytest runs with two workers (pytest-xdist, ``-n 2 --dist loadfile``).
 session ends: on a fresh CI machine the three environments together (27 GB) may not fit on disk,
 one at a time (18 GB with ``.venv``) does.
 
+``-t bridged`` runs the bridged sessions alone (what ``.ci/run`` does after the README's command).
+
 Arguments after ``--`` go to pytest (``python -m nox -- -x tests/hosts/vllm_0_23/test_bridge.py``).
 The supported versions and modes are declared in ``mla_prefill_ext/versions.py``.
 """
@@ -45,6 +47,7 @@ DEV_VERSION = _VERSIONS.DEV_TESTED
 VENV_VERSIONS = tuple(v for v in _VERSIONS.TESTED if v != DEV_VERSION)
 
 nox.options.sessions = [f"tests-{v}" for v in _VERSIONS.TESTED]
+BRIDGED_TAG = "bridged"  # the sessions of VENV_VERSIONS: each in its own environment under .nox/
 nox.options.reuse_venv = "yes"
 
 # Two workers, each test module kept on one (module-scoped fixtures start their processes once).
@@ -73,7 +76,8 @@ tests_dev.__doc__ = f"vLLM {DEV_VERSION} (patch mode), in this interpreter (``.v
 
 
 def _bridged(version: str) -> None:
-    @nox.session(name=f"tests-{version}", venv_backend="venv", reuse_venv=True)
+    # Tagged: `nox -t bridged` (.ci/run) runs every bridged release of the table, none named by hand.
+    @nox.session(name=f"tests-{version}", venv_backend="venv", reuse_venv=True, tags=[BRIDGED_TAG])
     def tests(session: nox.Session) -> None:
         # run_install: the probe decides what to install, so it runs under --install-only too.
         found = session.run_install("python", "-c", _VERSION_OF_VLLM, silent=True).strip()

@@ -57,13 +57,23 @@ DEV_TESTED = TESTED[0]
 """The release of the development environment (requirements-dev.txt pins it; the nox session that
 runs in nox's own interpreter tests it); the others get an environment each under ``.nox/``."""
 
-NEWEST_TESTED: Release = (0, 33, 0)
+NEWEST_TESTED: Release = tuple(int(part) for part in TESTED[-1].split("."))  # type: ignore[assignment]
 """Releases of this minor line and older are in the tested range; later ones warn."""
 
-SUPPORTED_TEXT = "vLLM 0.20.x (patched) or 0.23+ (bridged)"
-"""The supported releases in one phrase, for messages, ``--help`` and the README's first line."""
 
-INSTALL_SPEC = "vllm==0.33.0"
+def _line(release: Release) -> str:
+    return f"{release[0]}.{release[1]}"
+
+
+SUPPORTED_TEXT = " or ".join(
+    f"vLLM {_line(m.low)}.x (patched)" if m.name == PATCH else f"{_line(m.low)}+ (bridged)"
+    for m in MODES
+    if m.name != NONE
+)
+"""The supported releases in one phrase, for messages, ``--help`` and the README's first line (from
+:data:`MODES`: "vLLM 0.20.x (patched) or 0.23+ (bridged)")."""
+
+INSTALL_SPEC = f"vllm=={TESTED[-1]}"
 """What an install hint suggests (the newest tested release; the hint names the whole range too)."""
 
 
