@@ -6,9 +6,10 @@ Shaped like OpenTelemetry's instrumentors. :class:`Wrappers` is the bookkeeping:
 exactly (:meth:`Wrappers.unwrap_all`, ``wrapt.unwrap_object``; a wrapper someone wrapped
 on top of stays, with one WARNING). :class:`Instrumentor` is one patch set over one vLLM
 module on it: what must hold before it patches (:meth:`Instrumentor.check`), what it wraps
-(:meth:`Instrumentor.wrappers`), and a symmetric, idempotent instrument / uninstrument.
-The patch host's patch sets subclass it; the bridge keeps its wrappers in a
-:class:`Wrappers` too (its targets span several modules).
+(:meth:`Instrumentor.wrappers`), what else patching takes that must land with the wrappers or
+not at all (:meth:`Instrumentor.complete`, e.g. a registration), and a symmetric, idempotent
+instrument / uninstrument. The patch host's patch sets and the bridge subclass it; the
+shared-prefix path and the stock guard keep their wrappers in a :class:`Wrappers`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class Instrumentor:
         """Why ``module`` must not be patched (None: patch it). Default: nothing to check."""
         return None
 
+    def complete(self, module: ModuleType) -> str | None:
+        """The rest of patching, once every wrapper is in place: None when done, else why not (then
+        every wrapper is removed again and :meth:`skip` runs). Default: nothing more."""
+        return None
+
     def skip(self, reason: str, module: ModuleType | None = None) -> None:
         """Nothing was patched: record why (a patch set that must say more overrides this)."""
         self._state.skipped_reason = reason
@@ -118,6 +124,10 @@ class Instrumentor:
             reason = self.check(module)
             if reason is None:
                 reason = self._state.wrappers.wrap_all(module, self.wrappers(module))
+                if reason is None:
+                    reason = self.complete(module)
+                    if reason is not None:  # all or none: the wrappers go too
+                        self._state.wrappers.unwrap_all()
             if reason is not None:
                 self.skip(reason, module)
                 return False

@@ -18,6 +18,7 @@ import wrapt
 
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.hosts.core import refusal
+from mla_prefill_ext.hosts.core.instrumentor import Wrappers
 
 LAYER_INIT = "MLAAttention.__init__"
 
@@ -27,8 +28,13 @@ class StockGuard:
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self.handle: Any = None  # the wrapper on MLAAttention.__init__ (None: not wrapped)
+        self.wrappers = Wrappers()  # the one on MLAAttention.__init__, once wrapped
         self._lock = threading.RLock()
+
+    @property
+    def handle(self) -> Any:
+        """The wrapper on ``MLAAttention.__init__`` (None: not wrapped)."""
+        return self.wrappers.installed[0][2] if self.wrappers.installed else None
 
     def arm(self, reason: str, mla_module: ModuleType | None = None) -> None:
         """Say why once, guard the layer of ``mla_module`` (when at hand), refuse an explicit choice now."""
@@ -40,19 +46,15 @@ class StockGuard:
             self.reason = reason
             if mla_module is not None and self.handle is None:
                 try:
-                    self.handle = wrapt.wrap_function_wrapper(
-                        mla_module, LAYER_INIT, refusal.explicit_choice_guard(reason)
-                    )
+                    self.wrappers.wrap(mla_module, LAYER_INIT, refusal.explicit_choice_guard(reason))
                 except (AttributeError, wrapt.PathResolutionError):
                     pass  # no MLA layer class at all: nothing can ask for a prefill backend
         refusal.refuse_if_explicit(reason)
 
-    def disarm(self, mla_module: ModuleType | None) -> None:
-        """Remove the wrapper (idempotent)."""
+    def disarm(self, mla_module: ModuleType | None = None) -> None:
+        """Remove the wrapper (idempotent; the core's bookkeeping knows its module)."""
         with self._lock:
-            if self.handle is not None and mla_module is not None:
-                wrapt.unwrap_object(mla_module, LAYER_INIT, self.handle, missing_ok=True)
-            self.handle = None
+            self.wrappers.unwrap_all()
             self.reason = None
 
 

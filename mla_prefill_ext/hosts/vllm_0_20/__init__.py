@@ -1,4 +1,4 @@
-"""The vLLM 0.20.x host: the patch of vLLM's MLA layer (and, on 0.21-0.22, only its explicit-choice guard).
+"""The vLLM 0.20.x host: the patch of vLLM's MLA layer (on 0.21-0.22 only ``info`` reads its report).
 
 Two patch sets, each one :class:`~mla_prefill_ext.hosts.core.instrumentor.Instrumentor`
 (symmetric, idempotent, all or none), listed once in :data:`PATCH_SETS` with the vLLM

@@ -95,7 +95,7 @@ class MLAInstrumentor(Instrumentor):
 
 
 INSTRUMENTOR = MLAInstrumentor()
-# The patch set's API, as the package re-exports it (patches.instrument(...), ...).
+# The patch set's API, as the host package re-exports it (hosts.vllm_0_20.instrument(...), ...).
 instrument = INSTRUMENTOR.instrument
 uninstrument = INSTRUMENTOR.uninstrument
 is_instrumented = INSTRUMENTOR.is_instrumented

@@ -1,4 +1,5 @@
-"""What the patch host reports to ``mla-prefill-ext info`` (vLLM 0.20.x; its guard on 0.21-0.22)."""
+"""What the patch host reports to ``mla-prefill-ext info`` (vLLM 0.20.x; on 0.21-0.22, where nothing is
+patched, its targets as found there and the core's stock guard)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The instrumentor base both patch sets share: all or none, symmetric, idempotent.
+"""The instrumentor base both hosts share (the patch's patch sets, the bridge): all or none,
+symmetric, idempotent.
 
-Exercised on a module of its own making (the patch sets' real targets are covered by
-tests/core/test_activation.py and test_engine_config.py).
+Exercised on a module of its own making (the real targets are covered by
+tests/core/test_activation.py, tests/hosts/vllm_0_20/test_engine_config.py and
+tests/hosts/vllm_0_23/test_bridge.py).
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ def shout(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> str:
 
 
 class Shouting(Instrumentor):
-    def __init__(self, paths: list[str], reason: str | None = None) -> None:
+    def __init__(self, paths: list[str], reason: str | None = None, completes: str | None = None) -> None:
         super().__init__()
-        self.paths, self.reason = paths, reason
+        self.paths, self.reason, self.completes = paths, reason, completes
         self.events: list[str] = []
+
+    def complete(self, module: types.ModuleType) -> str | None:
+        self.events.append("complete")
+        return self.completes
 
     def wrappers(self, module: types.ModuleType) -> list[tuple[str, Any]]:
         return [(path, shout) for path in self.paths]
@@ -79,7 +85,7 @@ def test_instrument_wraps_every_target_once_and_uninstrument_restores_them():
     patch.uninstrument(module)
     patch.uninstrument(module)
     assert unchanged(module, before) and not patch.is_instrumented()
-    assert patch.events == ["instrumented", "uninstrumented"]
+    assert patch.events == ["complete", "instrumented", "uninstrumented"]
     assert patch.instrument(module) and module.third() == "THIRD"  # and again after removal
 
 
@@ -91,6 +97,17 @@ def test_a_wrap_that_fails_undoes_the_part_that_landed():
     assert unchanged(module, before)
     assert "wrapping failed" in patch.state().skipped_reason and "missing" in patch.state().skipped_reason
     assert patch.events == [] and patch.state().handles == []
+
+
+def test_a_failed_completion_removes_every_wrapper_and_says_why():
+    """What patching takes besides wrappers (the bridge's registration) lands with them or not at all."""
+    module = make_module()
+    before = originals(module)
+    patch = Shouting(PATHS, completes="registration failed (ValueError: taken)")
+    assert not patch.instrument(module)
+    assert unchanged(module, before) and not patch.is_instrumented()
+    assert patch.state().skipped_reason == "registration failed (ValueError: taken)"
+    assert patch.events == ["complete"] and patch.state().handles == []
 
 
 def test_a_failed_check_wraps_nothing_and_says_why():

@@ -568,6 +568,38 @@ def test_an_api_shape_the_bridge_does_not_know_is_refused_in_one_message(
     assert bridge.is_instrumented()
 
 
+def test_a_registration_that_fails_leaves_only_the_guard(bridged, clean_selection, model_dirs, monkeypatch):
+    """The bridge's registration lands with its wrappers or not at all (the core's instrumentor)."""
+    import wrapt
+
+    import mla_prefill_ext
+    from mla_prefill_ext.hosts import vllm_0_23 as bridge
+    from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync
+
+    selector = bridged.selector
+    mla_prefill_ext.deactivate()
+
+    def refuse(shape: Any, force: bool = False) -> None:
+        raise ValueError("the registry is closed")
+
+    monkeypatch.setattr(vllm_registry_sync, "sync", refuse)
+    try:
+        mla_prefill_ext.activate()
+        assert not bridge.is_instrumented()
+        assert bridge.state().problem.endswith("bridging failed (ValueError: the registry is closed)")
+        # vLLM's automatic selection is unwrapped again; get_mla_prefill_backend carries only the guard.
+        assert not isinstance(selector._auto_select_mla_prefill_backend, wrapt.FunctionWrapper)
+        assert [path for path, _ in bridge.state().handles].count("get_mla_prefill_backend") >= 1
+        cfg = config(model_dirs["plain"], additional_config={"mla_prefill_backend": "TORCH_SDPA"})
+        with host.gpu_view(None), pytest.raises(RuntimeError, match="cannot honour additional_config"):
+            selector.get_mla_prefill_backend(cfg)
+    finally:
+        mla_prefill_ext.deactivate()
+        monkeypatch.undo()
+        mla_prefill_ext.activate()
+    assert bridge.is_instrumented()
+
+
 def test_the_inspection_names_what_changed():
     from mla_prefill_ext.hosts.vllm_0_23 import shape
 
