@@ -15,6 +15,15 @@ from mla_prefill_ext import settings
 from mla_prefill_ext.versions import SUPPORTED_TEXT
 
 
+class ChoiceRefusedError(RuntimeError):
+    """An explicit choice, or the settings it rests on, refused where vLLM itself selects (the bridge).
+
+    Not a ValueError on purpose: vLLM 0.33's MLA layer catches ValueError from its prefill selection
+    for sparse-MLA layers and then runs without a dense prefill backend (one warning), which would
+    drop the user's choice silently. The message is the add-on's own, as the selector wrote it.
+    """
+
+
 def current_vllm_config() -> Any:
     """The engine configuration being built in this process (None: none, or no vLLM)."""
     try:

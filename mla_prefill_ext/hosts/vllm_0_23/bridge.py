@@ -100,7 +100,8 @@ class BridgeInstrumentor(Instrumentor):
         assert self._shape is not None
         try:
             vllm_registry_sync.sync(self._shape, force=True)
-        except Exception as e:  # all or none: the base removes the wrappers
+        except Exception as e:  # all or none: the base removes the wrappers, CUSTOM is taken back here
+            vllm_registry_sync.unregister(self._shape)  # (names added to vLLM's enum cannot be removed)
             return f"bridging failed ({type(e).__name__}: {e})"
         return None
 

@@ -29,6 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
+from mla_prefill_ext.hosts.core import refusal
 from mla_prefill_ext.hosts.vllm_0_23 import vllm_registry_sync
 from mla_prefill_ext.hosts.vllm_0_23.shape import Shape
 from mla_prefill_ext.versions import installed_vllm_version
@@ -97,28 +98,34 @@ def make_get_wrapper(shape: Shape) -> Any:
         # Loaded at the first selection (an MLA layer being built), not at every process start.
         from mla_prefill_ext import registry, selector, settings
 
-        # An invalid overrides variable stops every selection, vLLM's own named one too: the user
-        # meant it to change what runs, so running anyway would be a silent fallback.
-        problem = settings.overrides_problem()
-        if problem is not None:
-            raise ValueError(problem)
         vllm_config = _config_arg(args, kwargs)
-        vllm_registry_sync.sync(shape)
-        choice = addon_choice(vllm_config)
-        native = native_choice(vllm_config)
-        if choice is not None:
-            _log_precedence(choice, native)
-        elif native is not None and vllm_registry_sync.is_ours(native):
-            choice = settings.Choice(native.name, NATIVE_SOURCE, True)
-        else:
-            return wrapped(*args, **kwargs)
-        return _select(
-            shape,
-            selector.current_device_capability(),
-            selector.selector_config_for(vllm_config),
-            choice,
-            registry.generation(),
-        )
+        try:
+            # An invalid overrides variable stops every selection, vLLM's own named one too: the
+            # user meant it to change what runs, so running anyway would be a silent fallback.
+            problem = settings.overrides_problem()
+            if problem is not None:
+                raise ValueError(problem)
+            vllm_registry_sync.sync(shape)
+            choice = addon_choice(vllm_config)
+            native = native_choice(vllm_config)
+            if choice is not None:
+                _log_precedence(choice, native)
+            elif native is not None and vllm_registry_sync.is_ours(native):
+                choice = settings.Choice(native.name, NATIVE_SOURCE, True)
+            else:
+                choice = None
+            if choice is not None:
+                return _select(
+                    shape,
+                    selector.current_device_capability(),
+                    selector.selector_config_for(vllm_config),
+                    choice,
+                    registry.generation(),
+                )
+        except (ValueError, TypeError) as e:
+            # The add-on's refusal, not vLLM's: vLLM 0.33 would swallow a ValueError on sparse layers.
+            raise refusal.ChoiceRefusedError(str(e)) from e
+        return wrapped(*args, **kwargs)  # vLLM's own selection, its own errors
 
     return get_mla_prefill_backend
 

@@ -108,7 +108,7 @@ def test_an_invalid_overrides_variable_stops_a_native_choice_too(bridged, clean_
     from mla_prefill_ext import settings
 
     clean_selection.setenv(settings.OVERRIDES_ENV, "{CUSTOM: my_sdpa.MySDPABackend}")
-    with host.gpu_view((9, 0)), pytest.raises(ValueError) as info:
+    with host.gpu_view((9, 0)), pytest.raises(RuntimeError) as info:
         bridged.selector.get_mla_prefill_backend(native_config(model_dirs["plain"], "FLASH_ATTN"))
     assert str(info.value).startswith(
         f"{settings.OVERRIDES_ENV}='{{CUSTOM: my_sdpa.MySDPABackend}}' cannot be used"
@@ -141,9 +141,14 @@ def test_additional_config_selects_alone(bridged, clean_selection, model_dirs):
 
 def test_an_explicit_choice_that_cannot_serve_is_one_clear_error(bridged, clean_selection, model_dirs):
     """FLASHINFER needs a GPU: the add-on's reasons, the vLLM version, nothing from vLLM's selector."""
+    from mla_prefill_ext.hosts.core.refusal import ChoiceRefusedError
+
     clean_selection.setenv("MLA_PREFILL_BACKEND", "FLASHINFER")
-    with host.gpu_view(None), pytest.raises(ValueError) as info:
+    with host.gpu_view(None), pytest.raises(ChoiceRefusedError) as info:
         bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
+    # Not a ValueError: vLLM 0.33's MLA layer catches that for sparse-MLA layers and runs on without
+    # a dense prefill backend, dropping the choice (mla_attention.py, MLAAttention.__init__).
+    assert not isinstance(info.value, ValueError) and isinstance(info.value.__cause__, ValueError)
     message = str(info.value)
     assert f"vLLM {versions.installed_vllm_version()}" in message
     assert "FLASHINFER (from MLA_PREFILL_BACKEND) cannot serve" in message and "needs a GPU" in message
@@ -160,7 +165,7 @@ def test_an_unknown_name_lists_the_valid_ones(bridged, clean_selection, model_di
     clean_selection.setenv("MLA_PREFILL_BACKEND", "NO_SUCH")
     with (
         host.gpu_view(None),
-        pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'NO_SUCH'.*TORCH_SDPA"),
+        pytest.raises(RuntimeError, match=r"Unknown MLA prefill backend: 'NO_SUCH'.*TORCH_SDPA"),
     ):
         bridged.selector.get_mla_prefill_backend(config(model_dirs["plain"]))
 
