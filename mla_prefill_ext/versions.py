@@ -57,9 +57,6 @@ DEV_TESTED = TESTED[0]
 """The release of the development environment (requirements-dev.txt pins it; the nox session that
 runs in nox's own interpreter tests it); the others get an environment each under ``.nox/``."""
 
-NEWEST_TESTED: Release = tuple(int(part) for part in TESTED[-1].split("."))  # type: ignore[assignment]
-"""Releases of this minor line and older are in the tested range; later ones warn."""
-
 
 def _line(release: Release) -> str:
     return f"{release[0]}.{release[1]}"
@@ -139,6 +136,10 @@ def release(version: str) -> Release | None:
         return None
     major, minor, micro = (*parts, 0)[:3]
     return (major, minor, micro)
+
+
+NEWEST_TESTED: Release = release(TESTED[-1])  # type: ignore[assignment]  # a literal release
+"""Releases of this minor line and older are in the tested range; later ones warn."""
 
 
 def decide(vllm_version: str | None = None) -> Decision:

@@ -55,10 +55,6 @@ class BridgeState(PatchState):
         return f"BridgeState(instrumented={self.instrumented}, problem={self.problem!r})"
 
 
-def _config_arg(args: tuple, kwargs: dict) -> Any:
-    return kwargs.get("vllm_config", args[0] if args else None)
-
-
 def _unwrapped(function: Any) -> Any:
     return getattr(function, "__wrapped__", function)
 
@@ -121,7 +117,7 @@ class BridgeInstrumentor(Instrumentor):
             )
         if module is not None and callable(getattr(module, GET, None)):
             self.original_get = _unwrapped(getattr(module, GET))
-            self._state.binding_wrapper = refusal.explicit_choice_guard(message, _config_arg)
+            self._state.binding_wrapper = refusal.explicit_choice_guard(message, selector_wrappers.config_arg)
             self._state.wrappers.wrap(module, GET, self._state.binding_wrapper)
 
     def on_instrumented(self, module: ModuleType) -> None:

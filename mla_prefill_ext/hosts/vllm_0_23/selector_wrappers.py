@@ -39,7 +39,8 @@ from mla_prefill_ext.versions import installed_vllm_version
 NATIVE_SOURCE = "attention_config.mla_prefill_backend"
 
 
-def _config_arg(args: tuple, kwargs: dict) -> Any:
+def config_arg(args: tuple, kwargs: dict) -> Any:
+    """The engine configuration in a call of ``get_mla_prefill_backend`` (by keyword or first)."""
     return kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
 
 
@@ -98,7 +99,7 @@ def make_get_wrapper(shape: Shape) -> Any:
         # Loaded at the first selection (an MLA layer being built), not at every process start.
         from mla_prefill_ext import registry, selector, settings
 
-        vllm_config = _config_arg(args, kwargs)
+        vllm_config = config_arg(args, kwargs)
         try:
             # An invalid overrides variable stops every selection, vLLM's own named one too: the
             # user meant it to change what runs, so running anyway would be a silent fallback.
@@ -112,8 +113,6 @@ def make_get_wrapper(shape: Shape) -> Any:
                 _log_precedence(choice, native)
             elif native is not None and vllm_registry_sync.is_ours(native):
                 choice = settings.Choice(native.name, NATIVE_SOURCE, True)
-            else:
-                choice = None
             if choice is not None:
                 return _select(
                     shape,
