@@ -11,11 +11,15 @@
 #                                                       # verdicts; stock's two paths against each other
 #   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
 #                                                       # absorbed (the router's calibration)
+#   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
+#                                                       # or a backend; default FLASH_ATTN), its workload's peak
+#   bash scripts/gpu_shared_prefix_suite.sh OUT fixed-cost  # a call over a cached 32k prefix, by function
+# NAMES=a,b (parity): those scenarios only, and their pairs; the verdicts are replayed on a CPU then.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer|memory|fixed-cost}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer|memory|fixed-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -44,10 +48,18 @@ bench-compiled)
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
-  names=$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale
+  names=${NAMES:-$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale}
   stamp "scenarios $names"
   "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" --model-dir "$out/sharp-checkpoint" \
     --only "$names" >"$out/scenarios.log" 2>&1
+  if [[ -n ${NAMES:-} ]]; then  # a subset: the verdicts would run the others here; replay them on a CPU
+    stamp "verdicts: not run (NAMES); replay: MLA_GPU_RESULTS=$out/scenarios python -m pytest -q -s tests/gpu/test_shared_prefix.py"
+    "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
+    rc=$?
+    cut -c1-400 "$out/pairs.txt" | tail -20
+    stamp "done: rc=$rc"
+    exit "$rc"
+  fi
   stamp "verdicts over those scenarios"
   MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_prefix.py \
     -k "not chunks and not compiled and not off and not shim-fa-shared-2" >"$out/verdicts.txt" 2>&1
@@ -57,6 +69,21 @@ parity)
   "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
   cut -c1-400 "$out/pairs.txt" | tail -20
   ;;
+memory)
+  stamp "memory: one engine at gpu_memory_utilization=0.9, the largest shared points (${SIDE:-FLASH_ATTN})"
+  "$python" -m scripts.bench shared_prefix_engine --eager --sides "${SIDE:-FLASH_ATTN}" --baseline "${SIDE:-FLASH_ATTN}" \
+    --gpu-mem 0.9 --scenarios shared --prefix-lens 32768 --points 16x512,8x1024 --reps 2 \
+    --json "$out/memory-${SIDE:-FLASH_ATTN}.json" >"$out/memory-${SIDE:-FLASH_ATTN}.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -12
+  grep "KV cache memory\|Available\|profil" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -4
+  ;;
+fixed-cost)
+  stamp "the fixed cost of a call over a cached prefix, by function (engine in-process, eager, stock)"
+  "$python" -m scripts.bench prefix_fixed_cost --eager --json "$out/fixed-cost.json" >"$out/fixed-cost.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/fixed-cost.log" | tail -70
+  ;;
 layer)
   stamp "one layer: vLLM's plan, shared, absorbed"
   "$python" -m scripts.bench shared_prefix_layer --new 32,128,256,512 --json "$out/layer.json" >"$out/layer.log" 2>&1
@@ -64,7 +91,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, parity or layer" >&2
+  echo "unknown part '$part': bench, bench-compiled, parity, layer, memory or fixed-cost" >&2
   exit 2
   ;;
 esac

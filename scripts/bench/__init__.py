@@ -23,6 +23,7 @@ MEASUREMENTS = {
     "serve_load": "load on a real `vllm serve` after a fresh start, per side",
     "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
     "prefix_host_cost": "vLLM's host time per part for requests over a cached prefix, no GPU (CPU)",
+    "prefix_fixed_cost": "where a call over a cached prefix spends its time, by function, in-process (GPU)",
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",
     "shared_prefix_engine": "engine time with a shared cached prefix: stock, the add-on, its path off (GPU)",
     "bench_vs_kernel": "`mla-prefill-ext bench --json` paired with the kernel benchmark on the same shapes",

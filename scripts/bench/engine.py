@@ -105,6 +105,32 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
     }
 
 
+def reset_memory_peak(worker: Any) -> None:
+    """Runs in each worker (collective_rpc): forget the start-up's peak (vLLM's profile run), so that
+    :func:`memory_peak` reads the workload's own."""
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+
+
+def memory_peak(worker: Any) -> dict[str, int]:
+    """Runs in each worker (collective_rpc): the GPU memory this worker's PyTorch allocator peaked at
+    since :func:`reset_memory_peak`, what it reserves now, the KV cache's bytes (allocated at start-up
+    and held), and the device's total, all in bytes."""
+    import torch
+
+    caches = getattr(getattr(worker, "model_runner", None), "kv_caches", None) or []
+    flat = caches if isinstance(caches, list) else list(caches.values())
+    kv_bytes = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+    _, total = torch.cuda.mem_get_info()
+    return {
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "kv_cache": kv_bytes,
+        "device_total": total,
+    }
+
+
 def engine_kwargs(args: argparse.Namespace, **llm_options: Any) -> dict[str, Any]:
     """``LLM``'s arguments for one side (the same for every side; ``llm_options`` add to them)."""
     return {

@@ -38,6 +38,10 @@ seconds after the run began, judged by the last one's time (at least one timed r
 table then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scenarios shared
 --prefix-lens 32768 --points 16x128,16x512 --reps 3``.
 
+Memory: every engine's workers forget the start-up's allocator peak once the engines are up and report
+the workload's peak at the end (``memory`` in the JSON, one line per worker): peak allocated, the KV
+cache it includes, the rest beyond it, and what the allocator reserves.
+
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
 backend, ``examples/counting_backend.py``, a side of its own, not one of these).
 """
@@ -149,6 +153,21 @@ def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def memory_lines(memory: dict[str, list[dict[str, int]]]) -> list[str]:
+    """Per side and worker: the allocator's peak over the workload, and that peak beyond the KV cache."""
+    gib = 1 << 30
+    lines = []
+    for label, workers in memory.items():
+        for i, m in enumerate(workers):
+            beyond = (m["peak_allocated"] - m["kv_cache"]) / gib
+            lines.append(
+                f"memory {label} worker {i}: peak allocated {m['peak_allocated'] / gib:.2f} GiB "
+                f"(KV cache {m['kv_cache'] / gib:.2f} GiB, beyond it {beyond:.2f} GiB), "
+                f"reserved {m['reserved'] / gib:.2f} GiB of {m['device_total'] / gib:.1f} GiB"
+            )
+    return lines
+
+
 def check_switch(side: SideSpec, info: dict[str, Any]) -> None:
     """Every worker of the side's engine sees the shared-prefix switch the side sets (or none)."""
     wanted = side.extra_env.get(SHARED_PREFIX_ENV)
@@ -230,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             side.backend, args, extra_env=side.extra_env, name=side.label, enable_prefix_caching=True
         )
         check_switch(side, info[side.label])
+    for llm in engines.values():  # the peaks reported at the end are the workload's, not the start-up's
+        llm.collective_rpc(engine.reset_memory_peak)
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
@@ -287,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, workers in after.items():
         print(f"{label}: shared-prefix path {[w.get('shared_prefix') for w in workers]}", flush=True)
     print("\n".join(path_steps_lines(path_steps)), flush=True)
+    memory = {label: engines[label].collective_rpc(engine.memory_peak) for label in labels}
+    print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     common.write_json(
         args.json,
@@ -298,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "notes": notes,
             "engines_after": after,
             "path_steps": path_steps,
+            "memory": memory,
         },
     )
     return 0

@@ -241,3 +241,26 @@ def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypat
         assert res["raw_ms"][key] == []
     assert res["parts"]["sched_update"]["median_ms"] > 0  # the scheduler still ran
     assert res["finished_requests"] == [2]
+
+
+def test_prefix_fixed_cost_attributes_a_profile_to_the_watched_functions():
+    import cProfile
+    import io
+    import pstats
+
+    from scripts.bench import prefix_fixed_cost
+
+    def hash_block_tokens(n):  # named as vLLM's block hash, which the run watches
+        return sum(i * i for i in range(n))
+
+    def schedule():
+        return [hash_block_tokens(20000) for _ in range(5)]
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    schedule()
+    profiler.disable()
+    by_own, watched = prefix_fixed_cost.profile_rows(pstats.Stats(profiler, stream=io.StringIO()), top=3)
+    assert len(by_own) <= 3 and by_own[0]["own_s"] >= by_own[-1]["own_s"]
+    assert watched["schedule"] >= watched["hash_block_tokens"] > 0
+    assert watched["execute_model"] == 0.0

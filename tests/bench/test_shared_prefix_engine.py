@@ -331,3 +331,23 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
     assert bench.path_steps_lines(records) == [
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1]"
     ]
+
+
+def test_memory_lines_say_the_peak_beyond_the_kv_cache():
+    gib = 1 << 30
+    lines = bench.memory_lines(
+        {
+            "FLASH_ATTN": [
+                {
+                    "peak_allocated": 30 * gib,
+                    "kv_cache": 18 * gib,
+                    "reserved": 31 * gib,
+                    "device_total": 140 * gib,
+                }
+            ]
+        }
+    )
+    assert lines == [
+        "memory FLASH_ATTN worker 0: peak allocated 30.00 GiB (KV cache 18.00 GiB, beyond it 12.00 GiB), "
+        "reserved 31.00 GiB of 140.0 GiB"
+    ]
