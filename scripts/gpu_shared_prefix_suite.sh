@@ -14,6 +14,7 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
 #                                                       # or a backend; default FLASH_ATTN), its workload's peak
 #   bash scripts/gpu_shared_prefix_suite.sh OUT fixed-cost  # a call over a cached 32k prefix, by function
+# PREFIX_LENS=32768,8192 (bench, bench-compiled): the shared points at each prefix length.
 # NAMES=a,b (parity): those scenarios only, and their pairs; the verdicts are replayed on a CPU then.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
@@ -32,7 +33,7 @@ case $part in
 bench)
   stamp "engine benchmark (eager)"
   "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,FLASH_ATTN \
-    --scenarios shared,private,fresh,decode --prefix-lens 32768 --points 16x1,16x32,16x128,16x512,8x1024 \
+    --scenarios shared,private,fresh,decode --prefix-lens "${PREFIX_LENS:-32768}" --points 16x1,16x32,16x128,16x512,8x1024 \
     --private-points 16x128 --decode-points 16x32 --decode-tokens 32 --reps 8 --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-eager.json" >"$out/engine-eager.log" 2>&1
   rc=$?
@@ -40,8 +41,8 @@ bench)
   ;;
 bench-compiled)
   stamp "engine benchmark (compiled, CUDA graphs)"
-  "$python" -m scripts.bench shared_prefix_engine --sides stock,FLASH_ATTN --scenarios shared,private \
-    --prefix-lens 32768 --points 16x32,16x128,16x512,8x1024 --private-points 16x128 --reps 6 \
+  "$python" -m scripts.bench shared_prefix_engine --sides stock,FLASH_ATTN --scenarios shared,private,fresh \
+    --prefix-lens "${PREFIX_LENS:-32768}" --points 16x32,16x128,16x512,8x1024 --private-points 16x128 --reps 6 \
     --stop-after "${STOP_AFTER:-500}" --json "$out/engine-compiled.json" >"$out/engine-compiled.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-compiled.log" | tail -20
