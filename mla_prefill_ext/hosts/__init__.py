@@ -77,7 +77,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            "with an FP8 KV cache, context parallelism or dual-batch overlap"
+            "with an FP8 KV cache, context parallelism, dual-batch overlap or vLLM's V2 model runner"
         ),
         "problem": False,
     }

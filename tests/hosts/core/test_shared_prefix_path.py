@@ -61,6 +61,8 @@ def _path() -> Any:
 @pytest.fixture
 def activated(clean_selection: pytest.MonkeyPatch) -> Any:
     """The add-on active on this vLLM's host, vLLM's MLA module loaded (the path wraps it then)."""
+    # The path serves vLLM's V1 model runner, whose objects these tests build (vLLM 0.33 picks V2 by default).
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     return activate_on_this_vllm(clean_selection)
 
 

@@ -11,6 +11,9 @@ from mla_prefill_ext.testing import vllm_host as host
 @pytest.fixture
 def config(model_dirs, clean_selection):
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    clean_selection.setenv(
+        "VLLM_USE_V2_MODEL_RUNNER", "0"
+    )  # the runner the path serves (0.33 defaults to V2)
     return host.make_vllm_config(model_dirs["yarn"])
 
 
@@ -55,6 +58,16 @@ def test_each_exclusion_turns_it_off_with_its_reason(config, section, field, val
     setattr(getattr(config, section), field, value)
     decision = switch.decide(config)
     assert not decision.on and reason in decision.reason, decision
+
+
+def test_vllms_v2_model_runner_turns_it_off_with_its_reason(config, clean_selection):
+    """The V2 runner keeps block tables on the GPU only: the path is off there, and says so (0.33's
+    default for every model; VLLM_USE_V2_MODEL_RUNNER=1 picks it on 0.20 and 0.25 too)."""
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    decision = switch.decide(config)
+    assert not decision.on
+    assert "vLLM's V2 model runner runs this engine" in decision.reason, decision
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in decision.reason
 
 
 def test_one_info_line_per_process_and_decision(config, clean_selection, addon_log):

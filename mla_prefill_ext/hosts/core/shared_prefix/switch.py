@@ -3,8 +3,10 @@
 On by default. ``MLA_PREFILL_SHARED_PREFIX=0`` (or ``additional_config["mla_prefill_shared_prefix"]``
 false) turns it off. Excluded for now, each with its reason: an FP8 KV cache (vLLM gathers it
 without dequantizing, the path up-projects bf16 rows), decode context parallelism (each rank
-holds part of the context), prefill context parallelism, and dual-batch overlap (two micro-batches
-split one step's requests; the path plans a whole step).
+holds part of the context), prefill context parallelism, dual-batch overlap (two micro-batches
+split one step's requests; the path plans a whole step), and vLLM's V2 model runner (it keeps the
+block tables on the GPU only, where the path reads the step's host copy; vLLM 0.33's default for every
+model, 0.25's for ``DeepseekV2ForCausalLM`` and dense models, not for DeepSeek-V3/R1's MoE there).
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ class PathDecision(NamedTuple):
     reason: str  # why, in words for a log line or ``info``
 
 
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether this engine's workers run vLLM's V2 model runner (``vllm/v1/worker/gpu/``).
+
+    vLLM 0.25+ decides it in ``VllmConfig.use_v2_model_runner`` (the environment, then the model);
+    before, only ``VLLM_USE_V2_MODEL_RUNNER=1`` picks it.
+    """
+    if "use_v2_model_runner" in dir(type(vllm_config)):
+        return bool(vllm_config.use_v2_model_runner)
+    from vllm import envs
+
+    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
+
+
 def exclusions(vllm_config: Any) -> list[str]:
     """What in this engine's configuration the path does not serve yet (empty: nothing)."""
     reasons = []
@@ -35,6 +50,11 @@ def exclusions(vllm_config: Any) -> list[str]:
         reasons.append("prefill context parallelism is on (not served yet)")
     if getattr(parallel, "enable_dbo", False) or getattr(parallel, "use_ubatching", False):
         reasons.append("dual-batch overlap (micro-batching) is on (not served yet)")
+    if uses_v2_model_runner(vllm_config):
+        reasons.append(
+            "vLLM's V2 model runner runs this engine (its block tables are on the GPU only; not served yet: "
+            "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner)"
+        )
     return reasons
 
 
