@@ -16,6 +16,7 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT fixed-cost  # a call over a cached 32k prefix, by function
 # PREFIX_LENS=32768,8192 (bench, bench-compiled): the shared points at each prefix length.
 # NAMES=a,b (parity): those scenarios only, and their pairs; the verdicts are replayed on a CPU then.
+# PACK=1 (parity): the scenarios' files as one OUT/scenarios.tar.gz; SHARP_DIR: where the checkpoint goes.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
@@ -27,6 +28,10 @@ cd "$(dirname "$0")/.."
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python=${PYTHON:-python}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+pack() {  # PACK=1: the scenarios' files as one OUT/scenarios.tar.gz (for hosts that copy back few files)
+  [[ ${PACK:-0} == 1 && -d $out/scenarios ]] || return 0
+  tar -czf "$out/scenarios.tar.gz" -C "$out" scenarios && rm -rf "$out/scenarios"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1
 "$python" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" >"$out/versions.txt" 2>/dev/null
 case $part in
@@ -51,13 +56,15 @@ parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
   names=${NAMES:-$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale}
   stamp "scenarios $names"
-  "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" --model-dir "$out/sharp-checkpoint" \
-    --only "$names" >"$out/scenarios.log" 2>&1
+  # The checkpoint (regenerated from its seed, tens of MB) stays out of OUT.
+  "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" \
+    --model-dir "${SHARP_DIR:-${TMPDIR:-/tmp}/mla-sharp-checkpoint}" --only "$names" >"$out/scenarios.log" 2>&1
   if [[ -n ${NAMES:-} ]]; then  # a subset: the verdicts would run the others here; replay them on a CPU
     stamp "verdicts: not run (NAMES); replay: MLA_GPU_RESULTS=$out/scenarios python -m pytest -q -s tests/gpu/test_shared_prefix.py"
     "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
     rc=$?
     cut -c1-400 "$out/pairs.txt" | tail -20
+    pack
     stamp "done: rc=$rc"
     exit "$rc"
   fi
@@ -69,6 +76,7 @@ parity)
   stamp "every pair: stock lifetimes, candidates, vLLM's two paths for short extends against each other"
   "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
   cut -c1-400 "$out/pairs.txt" | tail -20
+  pack
   ;;
 memory)
   stamp "memory: one engine at gpu_memory_utilization=0.9, the largest shared points (${SIDE:-FLASH_ATTN})"
