@@ -30,7 +30,7 @@ python=${PYTHON:-python}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 pack() {  # PACK=1: the scenarios' files as one OUT/scenarios.tar.gz (for hosts that copy back few files)
   [[ ${PACK:-0} == 1 && -d $out/scenarios ]] || return 0
-  tar -czf "$out/scenarios.tar.gz" -C "$out" scenarios && rm -rf "$out/scenarios"
+  tar -czf "$out/scenarios.tar.gz" -C "$out" scenarios && rm -rf "$out/scenarios" || rc=1
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1
 "$python" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" >"$out/versions.txt" 2>/dev/null
@@ -59,10 +59,14 @@ parity)
   # The checkpoint (regenerated from its seed, tens of MB) stays out of OUT.
   "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" \
     --model-dir "${SHARP_DIR:-${TMPDIR:-/tmp}/mla-sharp-checkpoint}" --only "$names" >"$out/scenarios.log" 2>&1
+  ran=$?  # a scenario that failed to run, or a name the harness does not know
   if [[ -n ${NAMES:-} ]]; then  # a subset: the verdicts would run the others here; replay them on a CPU
-    stamp "verdicts: not run (NAMES); replay: MLA_GPU_RESULTS=$out/scenarios python -m pytest -q -s tests/gpu/test_shared_prefix.py"
+    where=$out/scenarios
+    [[ ${PACK:-0} == 1 ]] && where="(OUT/scenarios.tar.gz unpacked)"
+    stamp "verdicts: not run (NAMES); replay on a CPU with the stock lifetimes they need, e.g." \
+      "MLA_GPU_RESULTS=EARLIER_RUN:$where python -m pytest -q -s tests/gpu/test_shared_prefix.py -k NAME"
     "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
-    rc=$?
+    rc=$ran
     cut -c1-400 "$out/pairs.txt" | tail -20
     pack
     stamp "done: rc=$rc"
@@ -72,6 +76,7 @@ parity)
   MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_prefix.py \
     -k "not chunks and not compiled and not off and not shim-fa-shared-2" >"$out/verdicts.txt" 2>&1
   rc=$?
+  ((ran == 0)) || rc=$ran
   tail -15 "$out/verdicts.txt"
   stamp "every pair: stock lifetimes, candidates, vLLM's two paths for short extends against each other"
   "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1

@@ -72,12 +72,18 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
             "reason": f"not available ({why}); vLLM's own context path runs",
             "problem": False,
         }
+    from mla_prefill_ext import versions
+    from mla_prefill_ext.hosts.core.shared_prefix.switch import runner_outlook
+
+    served, runner = runner_outlook(versions.installed_vllm_version())
+    if not served:
+        return {"on": False, "reason": f"off by default here: {runner}", "problem": False}
     return {
         "on": True,
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            "with an FP8 KV cache, context parallelism, dual-batch overlap or vLLM's V2 model runner"
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}"
         ),
         "problem": False,
     }

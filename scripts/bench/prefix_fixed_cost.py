@@ -81,7 +81,8 @@ def make_parser():
 
 def profile_rows(stats: pstats.Stats, top: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The ``top`` functions by own time, and the cumulative seconds of each ``WATCH`` name (the
-    largest entry whose description holds it, so that recursion and wrappers are not added twice)."""
+    largest entry whose description holds it, so that recursion and wrappers are not added twice).
+    The watched entries nest (``add_request`` holds the block hasher): they overlap, they do not add up."""
     entries = []
     for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
         where = f"{Path(filename).name}:{line}({name})"
@@ -89,9 +90,9 @@ def profile_rows(stats: pstats.Stats, top: int) -> tuple[list[dict[str, Any]], d
     by_own = sorted(entries, key=lambda e: e["own_s"], reverse=True)[:top]
     watched = {}
     for key in WATCH:
-        hits = [
-            e["cumulative_s"] for e in entries if f"({key}" in e["function"] or f"{key})" in e["function"]
-        ]
+        # "file:line(name)" for Python functions, "~:0(<method 'name' of ...>)" for C methods.
+        names = (f"({key}", f"{key})", f"'{key}'")
+        hits = [e["cumulative_s"] for e in entries if any(n in e["function"] for n in names)]
         watched[key] = max(hits, default=0.0)
     return by_own, watched
 

@@ -254,6 +254,9 @@ def test_prefix_fixed_cost_attributes_a_profile_to_the_watched_functions():
         return sum(i * i for i in range(n))
 
     def schedule():
+        import array
+
+        array.array("i", range(50000)).tolist()  # a C method: "~:0(<method 'tolist' of ...>)"
         return [hash_block_tokens(20000) for _ in range(5)]
 
     profiler = cProfile.Profile()
@@ -263,4 +266,5 @@ def test_prefix_fixed_cost_attributes_a_profile_to_the_watched_functions():
     by_own, watched = prefix_fixed_cost.profile_rows(pstats.Stats(profiler, stream=io.StringIO()), top=3)
     assert len(by_own) <= 3 and by_own[0]["own_s"] >= by_own[-1]["own_s"]
     assert watched["schedule"] >= watched["hash_block_tokens"] > 0
+    assert watched["tolist"] > 0
     assert watched["execute_model"] == 0.0

@@ -70,6 +70,35 @@ def test_vllms_v2_model_runner_turns_it_off_with_its_reason(config, clean_select
     assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in decision.reason
 
 
+def test_vllms_own_runner_choice_is_the_one_read(config, clean_selection):
+    """With the variable unset, vLLM's own choice decides: on 0.25+ ``VllmConfig.use_v2_model_runner``
+    (0.33: V2 for this model; 0.25: V1, the model has MoE layers), before 0.25 the V1 runner."""
+    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    v2 = bool(getattr(config, "use_v2_model_runner", False))
+    assert switch.decide(config).on is not v2
+    assert ("vLLM's V2 model runner runs this engine" in switch.decide(config).reason) is v2
+
+
+@pytest.mark.parametrize(("value", "served"), [("1", False), ("0", True), (None, None)])
+def test_info_outlook_without_an_engine_names_the_runner(clean_selection, value, served):
+    from mla_prefill_ext import versions
+
+    if value is None:
+        clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    version = versions.installed_vllm_version()
+    on, reason = switch.runner_outlook(version)
+    if served is None:  # unset: vLLM's default, by its release line
+        line = versions.release(version or "") or (0, 0, 0)
+        served = line[:2] < switch.V2_DEFAULT_FOR_EVERY_MODEL
+        caveat = line[:2] >= (0, 25) and served
+        assert ("vLLM 0.25 picks it for dense and DeepseekV2ForCausalLM models" in reason) is caveat, reason
+    assert on is served, reason
+    if not on:
+        assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in reason
+
+
 def test_one_info_line_per_process_and_decision(config, clean_selection, addon_log):
     import logging
 

@@ -36,6 +36,38 @@ def uses_v2_model_runner(vllm_config: Any) -> bool:
     return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
 
 
+# vLLM 0.33 picks the V2 runner for every model by default; 0.25 by model (the lines between: not read).
+V2_DEFAULT_FOR_EVERY_MODEL = (0, 33)
+V2_OFF = "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, where it runs"
+
+
+def runner_outlook(vllm_version: str | None) -> tuple[bool, str]:
+    """Without an engine (``info``): whether engines here will run a model runner the path serves.
+
+    ``(True, caveat)`` where the V1 runner is the default or chosen (the caveat says when vLLM still
+    picks V2), ``(False, reason)`` where the V2 runner is chosen or vLLM's default for every model.
+    """
+    from vllm import envs
+
+    from mla_prefill_ext import versions
+
+    chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
+    line = versions.release(vllm_version or "") or (0, 0, 0)
+    if chosen is True:
+        return False, f"VLLM_USE_V2_MODEL_RUNNER=1 picks vLLM's V2 model runner, not served yet ({V2_OFF})"
+    if chosen is False:  # chosen (0.25+: None when unset), or vLLM's default before 0.25
+        return True, ""
+    if line[:2] >= V2_DEFAULT_FOR_EVERY_MODEL:
+        return False, (
+            f"vLLM {line[0]}.{line[1]} runs every model on its V2 model runner by default, "
+            f"not served yet ({V2_OFF})"
+        )
+    return True, (
+        "; not where vLLM runs its V2 model runner (vLLM 0.25 picks it for dense and DeepseekV2ForCausalLM "
+        f"models, not for DeepSeek-V3/R1; {V2_OFF})"
+    )
+
+
 def exclusions(vllm_config: Any) -> list[str]:
     """What in this engine's configuration the path does not serve yet (empty: nothing)."""
     reasons = []
