@@ -11,9 +11,8 @@ from mla_prefill_ext.testing import vllm_host as host
 @pytest.fixture
 def config(model_dirs, clean_selection):
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
-    clean_selection.setenv(
-        "VLLM_USE_V2_MODEL_RUNNER", "0"
-    )  # the runner the path serves (0.33 defaults to V2)
+    # The runner the path serves (0.33 defaults to V2).
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     return host.make_vllm_config(model_dirs["yarn"])
 
 

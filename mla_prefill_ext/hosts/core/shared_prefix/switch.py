@@ -84,8 +84,8 @@ def exclusions(vllm_config: Any) -> list[str]:
         reasons.append("dual-batch overlap (micro-batching) is on (not served yet)")
     if uses_v2_model_runner(vllm_config):
         reasons.append(
-            "vLLM's V2 model runner runs this engine (its block tables are on the GPU only; not served yet: "
-            "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner)"
+            "vLLM's V2 model runner runs this engine (its block tables are on the GPU only; "
+            f"not served yet: {V2_OFF})"
         )
     return reasons
 
