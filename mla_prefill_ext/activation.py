@@ -29,6 +29,7 @@ _LOCK = threading.Lock()
 _active = False
 _mode: str | None = None  # what the active process armed: versions.PATCH, BRIDGE or NONE
 _HOOKED: set[str] = set()  # the modes whose post-import hooks wrapt holds
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
 
 def is_active() -> bool:
@@ -56,6 +57,14 @@ def _instrument_shared_prefix(mla_module: ModuleType) -> None:
     except ValueError as e:
         raise RuntimeError(f"mla-prefill-ext: {e}") from None
     INSTRUMENTOR.instrument(mla_module)
+
+
+def _on_engine_core_imported(module: ModuleType) -> None:
+    """The engine core's part of the shared-prefix path (both hosts): its block hasher."""
+    if _active and _mode in ("patch", "bridge"):
+        from mla_prefill_ext.hosts.core.shared_prefix.engine_core import INSTRUMENTOR
+
+        INSTRUMENTOR.instrument(module)
 
 
 def _vllm_missing() -> bool:
@@ -101,8 +110,10 @@ def activate() -> None:
         if _active:
             return
         _register_hooks_once("patch", _on_imported, vllm_0_20.PATCH_SETS)
+        _register_hooks_once("engine-core", _on_engine_core_imported, [ENGINE_CORE_MODULE])
         _active, _mode = True, versions.PATCH
     _run_for_imported(_on_imported, vllm_0_20.PATCH_SETS)
+    _run_for_imported(_on_engine_core_imported, [ENGINE_CORE_MODULE])
 
 
 def _register_hooks_once(host: str, hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
@@ -192,12 +203,14 @@ def _activate_bridge(decision: Any) -> None:
         if _active:
             return
         _register_hooks_once("bridge", _on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
+        _register_hooks_once("engine-core", _on_engine_core_imported, [ENGINE_CORE_MODULE])
         _active, _mode = True, "bridge"
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
         logger.warning("mla-prefill-ext: %s", decision.warning)
     _run_for_imported(_on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
+    _run_for_imported(_on_engine_core_imported, [ENGINE_CORE_MODULE])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -209,10 +222,18 @@ def deactivate() -> None:
     A host that was never imported armed nothing: it is not imported here either.
     """
     global _active, _mode
-    from mla_prefill_ext.hosts import BRIDGE_HOST, PATCH_HOST, SHARED_PREFIX_MODULE, STOCK_GUARD_MODULE
+    from mla_prefill_ext.hosts import (
+        BRIDGE_HOST,
+        ENGINE_CORE_PATH_MODULE,
+        PATCH_HOST,
+        SHARED_PREFIX_MODULE,
+        STOCK_GUARD_MODULE,
+    )
 
     with _LOCK:
         _active, _mode = False, None
+    if ENGINE_CORE_PATH_MODULE in sys.modules:
+        sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument()
     if SHARED_PREFIX_MODULE in sys.modules:
         sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument()
     if f"{BRIDGE_HOST}.bridge" in sys.modules:

@@ -22,9 +22,11 @@ PATCH_HOST = f"{__name__}.vllm_0_20"
 BRIDGE_HOST = f"{__name__}.vllm_0_23"
 STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
 SHARED_PREFIX_MODULE = f"{__name__}.core.shared_prefix.instrumentor"
+ENGINE_CORE_PATH_MODULE = f"{__name__}.core.shared_prefix.engine_core"
 
 __all__ = [
     "BRIDGE_HOST",
+    "ENGINE_CORE_PATH_MODULE",
     "PATCH_HOST",
     "SHARED_PREFIX_MODULE",
     "STOCK_GUARD_MODULE",

@@ -92,6 +92,7 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
     ]
     package = _sys.modules.get("mla_prefill_ext")
     path = _sys.modules.get("mla_prefill_ext.hosts.core.shared_prefix.instrumentor")
+    hashes = _sys.modules.get("mla_prefill_ext.hosts.core.shared_prefix.engine_core")
     return {
         "owners": sorted(owners),
         "addon_owned": sorted(addon),
@@ -102,6 +103,8 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         "shared_prefix_env": os.environ.get(SHARED_PREFIX_ENV),
         # The path's state and its counters (steps with shared segments, steps routed) so far.
         "shared_prefix": path.INSTRUMENTOR.report() if path is not None else None,
+        # The engine core's block-hash reuse, where the engine core shares this worker's process (one GPU).
+        "prefix_hashes": hashes.INSTRUMENTOR.report() if hashes is not None else None,
     }
 
 

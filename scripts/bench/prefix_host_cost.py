@@ -139,12 +139,13 @@ class GCClock:
 class Engine:
     """vLLM's real objects for one block size, each built where it can be (else the reason why)."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, hasher: str = "stock"):
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
         from .engine import MODEL_DIR
 
         self.block_size = block_size
+        self.hasher = hasher
         self.missing: dict[str, str] = {}  # component -> why it could not be built
         model = ModelConfig(
             model=str(MODEL_DIR), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
@@ -197,9 +198,14 @@ class Engine:
         # What EngineCore.__init__ does with prefix caching on (one KV cache group: hash block = block)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(self.block_size, hash_fn)
+        if self.hasher == "reuse":  # the add-on's engine-core hasher around vLLM's (prefix_hashes)
+            from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
+
+            hasher = ReusingHasher(hasher, self.block_size)
         return {
             "hash_algo": self.config.cache_config.prefix_caching_hash_algo,
-            "hasher": get_request_block_hasher(self.block_size, hash_fn),
+            "hasher": hasher,
             "request_decoder": MsgpackDecoder(EngineCoreRequest),
             "outputs_encoder": MsgpackEncoder(),
             "outputs_decoder": MsgpackDecoder(EngineCoreOutputs),
@@ -500,7 +506,7 @@ def warm_prefix(engine: Engine, prefix: list[int]) -> int:
 
 
 def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
-    engine = Engine(block_size)
+    engine = Engine(block_size, args.hasher)
     prefix = common.seeded_tokens("prefix", args.prefix, engine.vocab)
     res: dict[str, Any] = {
         "block_size": block_size,
@@ -591,6 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls (one more untimed first)")
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="torch's CPU threads (the block-table copy's)"
+    )
+    parser.add_argument(
+        "--hasher",
+        choices=("stock", "reuse"),
+        default="stock",
+        help="vLLM's block hasher, or the add-on's around it (hashes of leading blocks equal to a recent"
+        " request's reused: the engine core's part of the shared-prefix path)",
     )
     parser.add_argument("--json", help="write the results and every raw time here")
     args = parser.parse_args(argv)

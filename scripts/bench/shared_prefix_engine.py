@@ -123,15 +123,23 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
-COUNTERS = ("steps", "steps_routed", "steps_with_segments")
+COUNTERS = ("steps", "steps_routed", "steps_with_segments", "blocks_reused")
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
-    """The shared-prefix path's counters summed over the engine's workers (None: the path is not there)."""
-    reports = [w.get("shared_prefix") for w in llm.collective_rpc(engine.prefill_owners)]
+    """The shared-prefix path's counters summed over the engine's workers (None: the path is not there).
+
+    ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing
+    (read where the engine core runs in the worker's process, as on one GPU; else 0)."""
+    workers = llm.collective_rpc(engine.prefill_owners)
+    reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
         return None
-    return {k: sum(int(r.get(k, 0)) for r in reports) for k in COUNTERS}
+    counters = {k: sum(int(r.get(k, 0)) for r in reports) for k in COUNTERS if k != "blocks_reused"}
+    counters["blocks_reused"] = sum(
+        int((w.get("prefix_hashes") or {}).get("reused_blocks", 0)) for w in workers
+    )
+    return counters
 
 
 def counter_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:

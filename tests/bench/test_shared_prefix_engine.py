@@ -306,9 +306,14 @@ def test_the_markdown_table_shows_seconds_and_ratios_with_their_range():
 
 
 def test_the_paths_counters_per_timed_call_and_their_summary():
-    before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3}
-    after = {"steps": 12, "steps_routed": 3, "steps_with_segments": 5}
-    assert bench.counter_delta(before, after) == {"steps": 2, "steps_routed": 1, "steps_with_segments": 2}
+    before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3, "blocks_reused": 0}
+    after = {"steps": 12, "steps_routed": 3, "steps_with_segments": 5, "blocks_reused": 30720}
+    assert bench.counter_delta(before, after) == {
+        "steps": 2,
+        "steps_routed": 1,
+        "steps_with_segments": 2,
+        "blocks_reused": 30720,
+    }
     assert bench.counter_delta(None, after) is None  # stock: no path to count
     records = [
         {
@@ -318,6 +323,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps": 2,
             "steps_routed": 1,
             "steps_with_segments": 1,
+            "blocks_reused": 30720,
         },
         {
             "side": "FLASH_ATTN",
@@ -326,10 +332,12 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps": 1,
             "steps_routed": 1,
             "steps_with_segments": 1,
+            "blocks_reused": 32768,
         },
     ]
     assert bench.path_steps_lines(records) == [
-        "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1]"
+        "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
+        "blocks_reused [30720, 32768]"
     ]
 
 

@@ -102,6 +102,21 @@ def decide(vllm_config: Any) -> PathDecision:
     return PathDecision(True, "shared cached prefixes of a step's prefill requests are worked once per layer")
 
 
+def decide_hash_reuse(vllm_config: Any) -> PathDecision:
+    """Whether the engine core reuses a shared prefix's block hashes (:mod:`.prefix_hashes`).
+
+    The same setting as the path; for MLA models only (the add-on leaves other engines alone). The
+    attention exclusions do not apply: the hashes are vLLM's own, bit for bit, whatever the runner.
+    """
+    additional = getattr(vllm_config, "additional_config", None)
+    on, source = shared_prefix_setting(additional)
+    if not on:
+        return PathDecision(False, f"turned off by {source}")
+    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
+        return PathDecision(False, "the model does not use MLA")
+    return PathDecision(True, "leading blocks equal to a recent request's take its hashes")
+
+
 def decide_and_say(vllm_config: Any) -> PathDecision:
     """:func:`decide`, with one INFO line per process and decision."""
     decision = decide(vllm_config)

@@ -1,0 +1,187 @@
+"""The engine core's part of the shared-prefix path: a shared prefix's block hashes computed once.
+
+Two wrappers in ``vllm.v1.engine.core`` (as in vLLM 0.20.2, 0.25.1 and 0.33.0), all or none:
+``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
+loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
+engine's configuration; the module's binding of ``get_request_block_hasher`` then returns a
+:class:`~.prefix_hashes.ReusingHasher` around vLLM's hasher when :func:`.switch.decide_hash_reuse`
+says so, one INFO line per process and decision. When the module has another shape nothing is
+wrapped and one INFO line says why: vLLM hashes every request's blocks as it always does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import types
+from types import ModuleType
+from typing import Any
+
+from mla_prefill_ext import versions
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.core.instrumentor import Wrappers
+from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
+
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
+KV_INIT = "EngineCore._initialize_kv_caches"
+FACTORY = "get_request_block_hasher"
+LOOKAHEAD = "num_hash_lookahead_tokens"  # vLLM 0.33+: hashes that also cover the drafter's next tokens
+
+# What the hasher vLLM's factory returns reads, and what vLLM's extra keys are made of: a source of
+# extra keys this does not know would make two plain requests' equal tokens hash differently.
+HASHER_READS = (
+    "block_hashes",
+    "num_tokens",
+    "all_token_ids",
+    "generate_block_hash_extra_keys",
+    "hash_block_tokens",
+)
+EXTRA_KEYS_READ = frozenset(
+    {
+        "_gen_mm_extra_hash_keys",
+        "_gen_lora_extra_hash_keys",
+        "_gen_prompt_embeds_extra_hash_keys",
+        "cache_salt",
+        "tuple",
+    }
+)
+
+_LOCAL = threading.local()  # the configuration of the engine core being built on this thread
+
+
+def _code_names(obj: Any) -> tuple[str, ...]:
+    code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
+    return code.co_names if code is not None else ()
+
+
+def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
+    """Why these modules do not have the shape the wrappers were written for (None: they do)."""
+    engine_core = getattr(core_module, "EngineCore", None)
+    if engine_core is None or "_initialize_kv_caches" not in engine_core.__dict__:
+        return f"{ENGINE_CORE_MODULE}.{KV_INIT} is not defined there"
+    if "vllm_config" not in inspect.signature(engine_core.__dict__["_initialize_kv_caches"]).parameters:
+        return f"{KV_INIT} takes no vllm_config"
+    init_names = _code_names(engine_core.__init__)
+    if FACTORY not in init_names or "_initialize_kv_caches" not in init_names:
+        return f"EngineCore.__init__ no longer calls {FACTORY} and _initialize_kv_caches"
+    if init_names.index("_initialize_kv_caches") > init_names.index(FACTORY):
+        return f"EngineCore.__init__ makes the block hasher before {KV_INIT}"
+    factory = getattr(core_module, FACTORY, None)
+    if getattr(factory, "__wrapped__", factory) is not getattr(kv_cache_utils, FACTORY, None):
+        return f"{ENGINE_CORE_MODULE}.{FACTORY} is not vLLM's {KV_CACHE_UTILS_MODULE}.{FACTORY}"
+    params = list(inspect.signature(factory).parameters)
+    if len(params) not in (2, 3) or params[2:] not in ([], [LOOKAHEAD]):
+        return f"{FACTORY} does not take (block size, hash function[, {LOOKAHEAD}])"
+    code = getattr(getattr(factory, "__wrapped__", factory), "__code__", None)
+    hashers = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
+    if len(hashers) != 1 or any(name not in hashers[0].co_names for name in HASHER_READS):
+        return f"the hasher {FACTORY} returns no longer reads {list(HASHER_READS)}"
+    extra = set(_code_names(getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)))
+    if not extra or extra - EXTRA_KEYS_READ:
+        return f"vLLM's block extra keys read {sorted(extra - EXTRA_KEYS_READ) or 'nothing known'}"
+    return None
+
+
+def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``EngineCore._initialize_kv_caches``: the configuration noted for the hasher made after it."""
+    _LOCAL.config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    return wrapped(*args, **kwargs)
+
+
+def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``get_request_block_hasher``: vLLM's hasher, inside a reusing one when the decision says so."""
+    inner = wrapped(*args, **kwargs)
+    config, _LOCAL.config = getattr(_LOCAL, "config", None), None
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound.apply_defaults()
+    block_size = next(iter(bound.arguments.values()))
+    if config is None:
+        decision = switch.PathDecision(
+            False, "the engine's configuration was not seen before its block hasher"
+        )
+    elif bound.arguments.get(LOOKAHEAD):
+        # Each hash then covers tokens after its block too: equal blocks are not enough.
+        decision = switch.PathDecision(
+            False, "the hashes look ahead for speculative decoding (not served yet)"
+        )
+    else:
+        try:
+            decision = switch.decide_hash_reuse(config)
+        except ValueError as e:  # an invalid switch stops the engine, naming it
+            raise RuntimeError(f"mla-prefill-ext: {e}") from None
+    log_once(
+        logging.INFO,
+        ("shared-prefix-hashes", decision),
+        "MLA shared-prefix prefill (mla-prefill-ext): block hashes of shared prefixes %s (%s).",
+        "reused" if decision.on else "not reused",
+        decision.reason,
+    )
+    if not decision.on:
+        return inner
+    hasher = ReusingHasher(inner, int(block_size))
+    HASHERS.append(hasher)
+    del HASHERS[:-4]  # the latest engines' hashers, for reports and tests
+    return hasher
+
+
+HASHERS: list[ReusingHasher] = []
+
+
+class EngineCoreInstrumentor:
+    def __init__(self) -> None:
+        self.wrappers = Wrappers()
+        self.instrumented = False
+        self.problem: str | None = None
+        self._lock = threading.RLock()
+
+    def instrument(self, core_module: ModuleType) -> bool:
+        """Wrap the engine core's hasher factory (all or none; idempotent). True when in place."""
+        with self._lock:
+            if self.instrumented:
+                return True
+            import importlib
+
+            try:
+                problem_found = problem(core_module, importlib.import_module(KV_CACHE_UTILS_MODULE))
+            except (ImportError, TypeError, ValueError) as e:
+                problem_found = f"its shape could not be read ({type(e).__name__}: {e})"
+            if problem_found is None:
+                problem_found = self.wrappers.wrap_all(
+                    core_module, [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
+                )
+            if problem_found is not None:
+                self.problem = f"vLLM {versions.installed_vllm_version()}: {problem_found}"
+                log_once(
+                    logging.INFO,
+                    ("shared-prefix-hashes-shape", self.problem),
+                    "MLA shared-prefix prefill (mla-prefill-ext): block hashes not reused (%s); vLLM hashes "
+                    "every request's blocks.",
+                    self.problem,
+                )
+                return False
+            self.problem = None
+            self.instrumented = True
+            return True
+
+    def uninstrument(self) -> None:
+        """Remove both wrappers (idempotent); hashers already made keep working."""
+        with self._lock:
+            self.wrappers.unwrap_all()
+            self.instrumented = False
+            self.problem = None
+
+    def report(self) -> dict[str, object]:
+        """Wrapped or why not; the blocks the latest hasher reused and hashed in this process."""
+        latest = HASHERS[-1] if HASHERS else None
+        return {
+            "instrumented": self.instrumented,
+            "problem": self.problem,
+            "reused_blocks": latest.reused_blocks if latest else 0,
+            "hashed_blocks": latest.hashed_blocks if latest else 0,
+        }
+
+
+INSTRUMENTOR = EngineCoreInstrumentor()

@@ -1,0 +1,266 @@
+"""The engine core's reuse of a shared prefix's block hashes, with vLLM's real hasher and requests.
+
+Every check compares against vLLM's own hasher on the same requests: the reused hashes must be the
+same bytes, block for block, or the prefix cache would hit the wrong blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import wrapt
+
+from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hashes, switch
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher, common_blocks
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def vllm_hasher():
+    """vLLM's factory and hash function, as EngineCore.__init__ makes them (sha256, NONE_HASH set)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    factory = getattr(kv_cache_utils.get_request_block_hasher, "__wrapped__", None)
+    factory = factory or kv_cache_utils.get_request_block_hasher
+    return lambda: factory(BLOCK, hash_fn)
+
+
+def request(tokens, hasher=None, **extra):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=f"r{random.random()}",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=hasher,
+        **extra,
+    )
+
+
+def batches(seed):
+    """Prompts that share prefixes in every way a prefix cache meets: the same long prefix with
+    private tails, tails inside a block, one prompt a prefix of another, the same prompt twice,
+    prompts that part in the first block, shorter than a block, and unrelated ones."""
+    rng = random.Random(seed)
+    vocab = 129_280
+
+    def toks(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    shared = toks(rng.randrange(5, 40) * BLOCK + rng.randrange(BLOCK))
+    prompts = [shared + toks(rng.randrange(0, 3 * BLOCK)) for _ in range(6)]
+    prompts += [prompts[0], shared[: rng.randrange(1, len(shared))], prompts[1] + toks(2 * BLOCK)]
+    prompts += [shared[:3] + toks(4 * BLOCK), toks(BLOCK - 1), toks(rng.randrange(1, 9) * BLOCK)]
+    other = toks(20 * BLOCK)
+    prompts += [other + toks(rng.randrange(BLOCK, 3 * BLOCK)) for _ in range(10)]  # past DONORS
+    prompts += [shared + toks(BLOCK)]  # its donors may have been pushed out: still exact
+    rng.shuffle(prompts)
+    return prompts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_hash_is_vllms_own(vllm_hasher, seed):
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    for tokens in batches(seed):
+        stock, ours = request(tokens, vllm_hasher()), request(tokens, reusing)
+        assert ours.block_hashes == stock.block_hashes, (seed, len(tokens))
+        # Decoded tokens complete later blocks: vLLM's hasher goes on from the reused hashes.
+        for token in range(2 * BLOCK + 3):
+            for r in (stock, ours):
+                r.append_output_token_ids(token)
+        assert ours.block_hashes == stock.block_hashes
+    assert reusing.reused_blocks > reusing.hashed_blocks  # most blocks of these batches are shared
+
+
+def test_sixteen_requests_over_one_prefix_hash_it_once(vllm_hasher):
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prefix = list(range(100_000, 100_000 + 64 * BLOCK))
+    for i in range(16):
+        r = request(prefix + [i] * (BLOCK + 5), reusing)
+        assert r.block_hashes == request(prefix + [i] * (BLOCK + 5), vllm_hasher()).block_hashes
+    assert reusing.reused_blocks == 15 * 64
+    assert reusing.hashed_blocks == 64 + 16  # the prefix once, each request's own full block
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"cache_salt": "tenant-a"},
+        {"lora_request": "lora"},
+    ],
+)
+def test_requests_with_extra_keys_are_left_to_vllm(vllm_hasher, extra):
+    """A salt or a LoRA changes every hash of the same tokens: such requests neither take nor lend."""
+    if "lora_request" in extra:
+        from vllm.lora.request import LoRARequest
+
+        extra = {"lora_request": LoRARequest("adapter", 1, "/nonexistent")}
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    tokens = list(range(10 * BLOCK))
+    plain = request(tokens, reusing)
+    special = request(tokens, reusing, **extra)
+    assert special.block_hashes == request(tokens, vllm_hasher(), **extra).block_hashes
+    assert special.block_hashes != plain.block_hashes
+    assert reusing.reused_blocks == 0
+    assert request(tokens, reusing).block_hashes == plain.block_hashes
+    assert reusing.reused_blocks == 10
+
+
+def test_a_wrong_prefix_match_is_caught(vllm_hasher, monkeypatch):
+    """The check above can fail: a matcher that trusts the first block alone hands out other
+    prompts' hashes, and the comparison with vLLM's hasher sees it."""
+    monkeypatch.setattr(
+        prefix_hashes, "common_blocks", lambda a, b, bs, limit: limit if a[:bs] == b[:bs] else 0
+    )
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    wrong = 0
+    for tokens in batches(0):
+        wrong += request(tokens, reusing).block_hashes != request(tokens, vllm_hasher()).block_hashes
+    assert wrong > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_common_blocks_is_the_longest_equal_run(seed):
+    rng = random.Random(seed)
+    a = [rng.randrange(5) for _ in range(rng.randrange(0, 12 * BLOCK))]
+    b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(0, 4 * BLOCK))]
+    limit = min(len(a), len(b)) // BLOCK
+    expected = 0
+    while (
+        expected < limit
+        and a[expected * BLOCK : (expected + 1) * BLOCK] == b[expected * BLOCK : (expected + 1) * BLOCK]
+    ):
+        expected += 1
+    assert common_blocks(a, b, BLOCK, limit) == expected
+
+
+# --- the engine core's wrappers, on vLLM's real modules ---------------------------------------------
+
+
+@pytest.fixture
+def core_modules():
+    import importlib
+
+    core = importlib.import_module(engine_core.ENGINE_CORE_MODULE)
+    utils = importlib.import_module(engine_core.KV_CACHE_UTILS_MODULE)
+    engine_core.INSTRUMENTOR.uninstrument()
+    yield core, utils
+    engine_core.INSTRUMENTOR.uninstrument()
+
+
+def test_this_vllms_engine_core_has_the_shape(core_modules):
+    assert engine_core.problem(*core_modules) is None
+
+
+def test_another_shape_wraps_nothing_and_says_why(core_modules, addon_log):
+    import logging
+    import types
+
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    core, _ = core_modules
+    moved = types.ModuleType(core.__name__)
+    moved.EngineCore = type("EngineCore", (), {})
+    assert not engine_core.INSTRUMENTOR.instrument(moved)
+    assert "EngineCore._initialize_kv_caches is not defined there" in engine_core.INSTRUMENTOR.problem
+    assert any("block hashes not reused" in r.getMessage() for r in addon_log)
+
+
+def _engine_config_seen(core, config):
+    """What EngineCore.__init__ does before it makes the hasher: ``_initialize_kv_caches(config)``
+    (here on an engine core without an executor: vLLM's method stops at once, after the wrapper)."""
+    engine = object.__new__(core.EngineCore)
+    with pytest.raises(AttributeError):
+        engine._initialize_kv_caches(config)
+
+
+def test_the_engine_cores_hasher_reuses_when_on(core_modules, model_dirs, clean_selection, vllm_hasher):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from mla_prefill_ext.testing import vllm_host as host
+
+    core, _ = core_modules
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    assert engine_core.INSTRUMENTOR.instrument(core)
+    config = host.make_vllm_config(model_dirs["plain"])
+    _engine_config_seen(core, config)
+    hasher = core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
+    assert isinstance(hasher, ReusingHasher)
+    assert isinstance(core.EngineCore.__dict__["_initialize_kv_caches"], wrapt.FunctionWrapper)
+    tokens = list(range(8 * BLOCK))
+    for _ in range(2):
+        assert request(tokens, hasher).block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert engine_core.INSTRUMENTOR.report()["reused_blocks"] == 8
+
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    _engine_config_seen(core, config)
+    assert not isinstance(core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256")), ReusingHasher)
+    # Without a configuration seen first (another caller), vLLM's hasher as it is.
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX")
+    assert not isinstance(core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256")), ReusingHasher)
+
+    engine_core.INSTRUMENTOR.uninstrument()
+    assert not isinstance(core.get_request_block_hasher, wrapt.FunctionWrapper)
+    assert not isinstance(core.EngineCore.__dict__["_initialize_kv_caches"], wrapt.FunctionWrapper)
+
+
+def test_the_switch_and_the_model_decide(model_dirs, clean_selection, tmp_path):
+    from mla_prefill_ext.testing import vllm_host as host
+
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    config = host.make_vllm_config(model_dirs["plain"])
+    assert switch.decide_hash_reuse(config).on
+    config.additional_config = {"mla_prefill_shared_prefix": False}
+    assert switch.decide_hash_reuse(config) == (
+        False,
+        "turned off by additional_config['mla_prefill_shared_prefix']",
+    )
+    llama = tmp_path / "tiny-llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 1,
+                "vocab_size": 1000,
+                "max_position_embeddings": 2048,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    assert switch.decide_hash_reuse(host.make_vllm_config(llama)) == (False, "the model does not use MLA")
+
+
+def test_activation_instruments_the_engine_core_in_a_vllm_process():
+    from child_python import run_python
+
+    from mla_prefill_ext import versions
+
+    if versions.decide().mode == versions.NONE:
+        pytest.skip("no host on this vLLM")
+    proc = run_python(
+        """
+        import importlib, mla_prefill_ext, wrapt
+        from mla_prefill_ext.hosts.core.shared_prefix import engine_core
+        mla_prefill_ext.activate()
+        core = importlib.import_module("vllm.v1.engine.core")
+        wrapped = lambda: isinstance(core.get_request_block_hasher, wrapt.FunctionWrapper)
+        print("wrapped", engine_core.INSTRUMENTOR.instrumented, wrapped())
+        mla_prefill_ext.deactivate()
+        print("after", engine_core.INSTRUMENTOR.instrumented, wrapped())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrapped True True" in proc.stdout and "after False False" in proc.stdout, proc.stdout
