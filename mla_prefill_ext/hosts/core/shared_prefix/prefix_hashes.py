@@ -54,7 +54,8 @@ def common_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> in
     if limit <= 0 or a[:block_size] != b[:block_size]:
         return 0
     end = limit * block_size
-    if a[:end] == b[:end]:
+    # Slicing a 32k-token list costs more than comparing it: whole lists are compared as they are.
+    if (a if len(a) == end else a[:end]) == (b if len(b) == end else b[:end]):
         return limit
     lo, hi = 1, limit  # blocks [0, lo) equal, [0, hi) not
     while hi - lo > 1:
