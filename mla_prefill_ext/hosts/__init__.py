@@ -79,13 +79,19 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
 
     served, runner = runner_outlook(versions.installed_vllm_version())
     if not served:
-        return {"on": False, "reason": f"off by default here: {runner}", "problem": False}
+        return {
+            "on": False,
+            "reason": f"off by default here: {runner}; the engine core still reuses a shared prefix's "
+            "block hashes",
+            "problem": False,
+        }
     return {
         "on": True,
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}"
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; the engine core "
+            "reuses a shared prefix's block hashes (MLA models, either model runner)"
         ),
         "problem": False,
     }
