@@ -232,8 +232,8 @@ def deactivate() -> None:
 
     with _LOCK:
         _active, _mode = False, None
-    if ENGINE_CORE_PATH_MODULE in sys.modules:
-        sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument()
+    if ENGINE_CORE_PATH_MODULE in sys.modules and ENGINE_CORE_MODULE in sys.modules:
+        sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument(sys.modules[ENGINE_CORE_MODULE])
     if SHARED_PREFIX_MODULE in sys.modules:
         sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument()
     if f"{BRIDGE_HOST}.bridge" in sys.modules:

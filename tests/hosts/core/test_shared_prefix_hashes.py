@@ -151,9 +151,9 @@ def core_modules():
 
     core = importlib.import_module(engine_core.ENGINE_CORE_MODULE)
     utils = importlib.import_module(engine_core.KV_CACHE_UTILS_MODULE)
-    engine_core.INSTRUMENTOR.uninstrument()
+    engine_core.INSTRUMENTOR.uninstrument(core)
     yield core, utils
-    engine_core.INSTRUMENTOR.uninstrument()
+    engine_core.INSTRUMENTOR.uninstrument(core)
 
 
 def test_this_vllms_engine_core_has_the_shape(core_modules):
@@ -169,7 +169,10 @@ def test_another_shape_wraps_nothing_and_says_why(core_modules, addon_log):
     moved = types.ModuleType(core.__name__)
     moved.EngineCore = type("EngineCore", (), {})
     assert not engine_core.INSTRUMENTOR.instrument(moved)
-    assert "EngineCore._initialize_kv_caches is not defined there" in engine_core.INSTRUMENTOR.problem
+    assert (
+        "EngineCore._initialize_kv_caches is not defined there"
+        in engine_core.INSTRUMENTOR.report()["problem"]
+    )
     assert any("block hashes not reused" in r.getMessage() for r in addon_log)
 
 
@@ -206,7 +209,7 @@ def test_the_engine_cores_hasher_reuses_when_on(core_modules, model_dirs, clean_
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX")
     assert not isinstance(core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256")), ReusingHasher)
 
-    engine_core.INSTRUMENTOR.uninstrument()
+    engine_core.INSTRUMENTOR.uninstrument(core)
     assert not isinstance(core.get_request_block_hasher, wrapt.FunctionWrapper)
     assert not isinstance(core.EngineCore.__dict__["_initialize_kv_caches"], wrapt.FunctionWrapper)
 
@@ -257,9 +260,9 @@ def test_activation_instruments_the_engine_core_in_a_vllm_process():
         mla_prefill_ext.activate()
         core = importlib.import_module("vllm.v1.engine.core")
         wrapped = lambda: isinstance(core.get_request_block_hasher, wrapt.FunctionWrapper)
-        print("wrapped", engine_core.INSTRUMENTOR.instrumented, wrapped())
+        print("wrapped", engine_core.INSTRUMENTOR.is_instrumented(), wrapped())
         mla_prefill_ext.deactivate()
-        print("after", engine_core.INSTRUMENTOR.instrumented, wrapped())
+        print("after", engine_core.INSTRUMENTOR.is_instrumented(), wrapped())
         """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

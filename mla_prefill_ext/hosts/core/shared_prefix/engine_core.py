@@ -11,6 +11,7 @@ wrapped and one INFO line says why: vLLM hashes every request's blocks as it alw
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.instrumentor import Wrappers
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 
@@ -130,55 +131,35 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 HASHERS: list[ReusingHasher] = []
 
 
-class EngineCoreInstrumentor:
-    def __init__(self) -> None:
-        self.wrappers = Wrappers()
-        self.instrumented = False
-        self.problem: str | None = None
-        self._lock = threading.RLock()
+class EngineCoreInstrumentor(Instrumentor):
+    """The two wrappers over ``vllm.v1.engine.core``, all or none (the core's :class:`Instrumentor`)."""
 
-    def instrument(self, core_module: ModuleType) -> bool:
-        """Wrap the engine core's hasher factory (all or none; idempotent). True when in place."""
-        with self._lock:
-            if self.instrumented:
-                return True
-            import importlib
+    def check(self, module: ModuleType) -> str | None:
+        try:
+            return problem(module, importlib.import_module(KV_CACHE_UTILS_MODULE))
+        except (ImportError, TypeError, ValueError) as e:
+            return f"its shape could not be read ({type(e).__name__}: {e})"
 
-            try:
-                problem_found = problem(core_module, importlib.import_module(KV_CACHE_UTILS_MODULE))
-            except (ImportError, TypeError, ValueError) as e:
-                problem_found = f"its shape could not be read ({type(e).__name__}: {e})"
-            if problem_found is None:
-                problem_found = self.wrappers.wrap_all(
-                    core_module, [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
-                )
-            if problem_found is not None:
-                self.problem = f"vLLM {versions.installed_vllm_version()}: {problem_found}"
-                log_once(
-                    logging.INFO,
-                    ("shared-prefix-hashes-shape", self.problem),
-                    "MLA shared-prefix prefill (mla-prefill-ext): block hashes not reused (%s); vLLM hashes "
-                    "every request's blocks.",
-                    self.problem,
-                )
-                return False
-            self.problem = None
-            self.instrumented = True
-            return True
+    def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
+        return [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
 
-    def uninstrument(self) -> None:
-        """Remove both wrappers (idempotent); hashers already made keep working."""
-        with self._lock:
-            self.wrappers.unwrap_all()
-            self.instrumented = False
-            self.problem = None
+    def skip(self, reason: str, module: ModuleType | None = None) -> None:
+        reason = f"vLLM {versions.installed_vllm_version()}: {reason}"
+        super().skip(reason, module)
+        log_once(
+            logging.INFO,
+            ("shared-prefix-hashes-shape", reason),
+            "MLA shared-prefix prefill (mla-prefill-ext): block hashes not reused (%s); vLLM hashes "
+            "every request's blocks.",
+            reason,
+        )
 
     def report(self) -> dict[str, object]:
         """Wrapped or why not; the blocks the latest hasher reused and hashed in this process."""
         latest = HASHERS[-1] if HASHERS else None
         return {
-            "instrumented": self.instrumented,
-            "problem": self.problem,
+            "instrumented": self.is_instrumented(),
+            "problem": self.state().skipped_reason,
             "reused_blocks": latest.reused_blocks if latest else 0,
             "hashed_blocks": latest.hashed_blocks if latest else 0,
         }
