@@ -71,7 +71,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         why = getattr(path, "problem", None) or "vLLM's MLA layer is not patched or bridged here"
         return {
             "on": False,
-            "reason": f"not available ({why}); vLLM's own context path runs",
+            "reason": f"not available ({why}); vLLM's own context path runs; {_hashes_outlook()}",
             "problem": False,
         }
     from mla_prefill_ext import versions
@@ -81,8 +81,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
     if not served:
         return {
             "on": False,
-            "reason": f"off by default here: {runner}; the engine core still reuses a shared prefix's "
-            "block hashes",
+            "reason": f"off by default here: {runner}; {_hashes_outlook()}",
             "problem": False,
         }
     return {
@@ -90,8 +89,26 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; the engine core "
-            "reuses a shared prefix's block hashes (MLA models, either model runner)"
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; {_hashes_outlook()}"
         ),
         "problem": False,
     }
+
+
+def _hashes_outlook() -> str:
+    """Whether engine cores here will reuse a shared prefix's block hashes (its shape check, now)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import engine_core
+
+    try:
+        problem = engine_core.problem(
+            importlib.import_module(engine_core.ENGINE_CORE_MODULE),
+            importlib.import_module(engine_core.KV_CACHE_UTILS_MODULE),
+        )
+    except Exception as e:  # info reports, it does not fail
+        problem = f"its shape could not be read ({type(e).__name__}: {e})"
+    if problem is not None:
+        return f"block hashes not reused ({problem})"
+    return (
+        "the engine core reuses a shared prefix's block hashes (MLA models; requests without LoRA, cache "
+        "salt, multimodal inputs or prompt embeddings; either model runner)"
+    )

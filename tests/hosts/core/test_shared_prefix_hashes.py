@@ -16,6 +16,18 @@ from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hashes,
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher, common_blocks
 
 BLOCK = 16
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
 
 
 @pytest.fixture(scope="module")
@@ -227,22 +239,7 @@ def test_the_switch_and_the_model_decide(model_dirs, clean_selection, tmp_path):
     )
     llama = tmp_path / "tiny-llama"
     llama.mkdir()
-    (llama / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 4,
-                "num_hidden_layers": 1,
-                "vocab_size": 1000,
-                "max_position_embeddings": 2048,
-                "torch_dtype": "bfloat16",
-            }
-        )
-    )
+    (llama / "config.json").write_text(json.dumps(LLAMA_CONFIG))
     assert switch.decide_hash_reuse(host.make_vllm_config(llama)) == (False, "the model does not use MLA")
 
 
@@ -267,3 +264,79 @@ def test_activation_instruments_the_engine_core_in_a_vllm_process():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrapped True True" in proc.stdout and "after False False" in proc.stdout, proc.stdout
+
+
+def test_prompt_embeddings_are_left_to_vllm(vllm_hasher):
+    import torch
+
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    tokens = list(range(6 * BLOCK))
+    request(tokens, reusing)
+    embeds = torch.zeros(len(tokens), 8)
+    assert not prefix_hashes.is_plain(request(tokens, None, prompt_embeds=embeds))
+    with_embeds = request(tokens, reusing, prompt_embeds=embeds)
+    assert with_embeds.block_hashes == request(tokens, vllm_hasher(), prompt_embeds=embeds).block_hashes
+    assert reusing.reused_blocks == 0
+
+
+def test_a_new_none_hash_drops_the_donors(vllm_hasher):
+    """A second engine in the process draws vLLM's NONE_HASH again: chains start anew, donors go."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    reusing = ReusingHasher(vllm_hasher(), BLOCK, epoch=lambda: kv_cache_utils.NONE_HASH)
+    tokens = list(range(7 * BLOCK))
+    request(tokens, reusing)
+    before = kv_cache_utils.NONE_HASH
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+    try:
+        assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+        assert reusing.reused_blocks == 0
+    finally:
+        kv_cache_utils.NONE_HASH = before
+
+
+def test_without_the_epoch_a_new_none_hash_is_missed(vllm_hasher, monkeypatch):
+    """The check above can fail: without the epoch the donors' old chains are handed out (unless vLLM
+    drew the same NONE_HASH, as with a fixed PYTHONHASHSEED)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    tokens = list(range(7 * BLOCK))
+    request(tokens, reusing)
+    before = kv_cache_utils.NONE_HASH
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+    try:
+        if kv_cache_utils.NONE_HASH == before:
+            pytest.skip("vLLM drew the same NONE_HASH (PYTHONHASHSEED is set)")
+        assert request(tokens, reusing).block_hashes != request(tokens, vllm_hasher()).block_hashes
+    finally:
+        kv_cache_utils.NONE_HASH = before
+
+
+def test_an_invalid_switch_does_not_reach_a_model_without_mla(tmp_path, clean_selection):
+    from mla_prefill_ext.testing import vllm_host as host
+
+    llama = tmp_path / "tiny-llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "maybe")
+    assert switch.decide_hash_reuse(host.make_vllm_config(llama)) == (False, "the model does not use MLA")
+
+
+def test_speculative_lookahead_hashes_are_left_to_vllm(core_modules, model_dirs, clean_selection):
+    import inspect
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from mla_prefill_ext.testing import vllm_host as host
+
+    core, _ = core_modules
+    if engine_core.LOOKAHEAD not in inspect.signature(core.get_request_block_hasher).parameters:
+        pytest.skip("this vLLM's hashes never look ahead")
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    assert engine_core.INSTRUMENTOR.instrument(core)
+    _engine_config_seen(core, host.make_vllm_config(model_dirs["plain"]))
+    hasher = core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"), 1)
+    assert not isinstance(hasher, ReusingHasher)

@@ -31,15 +31,23 @@ KV_INIT = "EngineCore._initialize_kv_caches"
 FACTORY = "get_request_block_hasher"
 LOOKAHEAD = "num_hash_lookahead_tokens"  # vLLM 0.33+: hashes that also cover the drafter's next tokens
 
-# What the hasher vLLM's factory returns reads, and what vLLM's extra keys are made of: a source of
-# extra keys this does not know would make two plain requests' equal tokens hash differently.
-HASHER_READS = (
-    "block_hashes",
-    "num_tokens",
-    "all_token_ids",
-    "generate_block_hash_extra_keys",
-    "hash_block_tokens",
+# Every name the hasher vLLM's factory returns reads (0.20.2, 0.25.1; 0.33.0 adds its lookahead and
+# multimodal window), those it must read, and what each source of vLLM's extra keys reads: a name
+# outside these sets is a vLLM this was not written for (a new input to a block's hash would make two
+# plain requests' equal tokens hash differently), so nothing is wrapped there.
+HASHER_MUST_READ = frozenset(
+    {"block_hashes", "num_tokens", "all_token_ids", "generate_block_hash_extra_keys", "hash_block_tokens"}
 )
+HASHER_MAY_READ = HASHER_MUST_READ | {
+    "append",
+    "len",
+    "generate_lookahead_block_hash_extra_keys",
+    "get_mm_features_in_window",
+    "mm_features",
+    "mm_position",
+    "offset",
+    "length",
+}
 EXTRA_KEYS_READ = frozenset(
     {
         "_gen_mm_extra_hash_keys",
@@ -49,6 +57,28 @@ EXTRA_KEYS_READ = frozenset(
         "tuple",
     }
 )
+# Each source, what it may read; the first name is the request's field that is empty for a plain request.
+EXTRA_KEY_SOURCES = {
+    "_gen_mm_extra_hash_keys": {
+        "mm_features",
+        "append",
+        "identifier",
+        "len",
+        "length",
+        "mm_position",
+        "offset",
+    },
+    "_gen_lora_extra_hash_keys": {"lora_request", "lora_name", "lora_path"},
+    "_gen_prompt_embeds_extra_hash_keys": {
+        "prompt_embeds",
+        "_prompt_embeds_per_block_hashes",
+        "digest",
+        "get",
+        "hashlib",
+        "sha256",
+        "tensor_data",
+    },
+}
 
 _LOCAL = threading.local()  # the configuration of the engine core being built on this thread
 
@@ -78,11 +108,21 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
         return f"{FACTORY} does not take (block size, hash function[, {LOOKAHEAD}])"
     code = getattr(getattr(factory, "__wrapped__", factory), "__code__", None)
     hashers = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
-    if len(hashers) != 1 or any(name not in hashers[0].co_names for name in HASHER_READS):
-        return f"the hasher {FACTORY} returns no longer reads {list(HASHER_READS)}"
+    if len(hashers) != 1:
+        return f"{FACTORY} no longer makes one hasher"
+    reads = set(hashers[0].co_names)
+    if HASHER_MUST_READ - reads or reads - HASHER_MAY_READ:
+        return (
+            f"the hasher {FACTORY} returns reads {sorted(reads - HASHER_MAY_READ)} (unknown here), "
+            f"not {sorted(HASHER_MUST_READ - reads)}"
+        )
     extra = set(_code_names(getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)))
     if not extra or extra - EXTRA_KEYS_READ:
         return f"vLLM's block extra keys read {sorted(extra - EXTRA_KEYS_READ) or 'nothing known'}"
+    for name, may_read in EXTRA_KEY_SOURCES.items():
+        source_reads = set(_code_names(getattr(kv_cache_utils, name, None)))
+        if not source_reads or source_reads - may_read:
+            return f"vLLM's {name} reads {sorted(source_reads - may_read) or 'nothing known'}"
     return None
 
 
@@ -122,7 +162,9 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     )
     if not decision.on:
         return inner
-    hasher = ReusingHasher(inner, int(block_size))
+    utils = importlib.import_module(KV_CACHE_UTILS_MODULE)
+    # Every chain starts from vLLM's NONE_HASH, which another engine in this process may draw again.
+    hasher = ReusingHasher(inner, int(block_size), epoch=lambda: getattr(utils, "NONE_HASH", None))
     HASHERS.append(hasher)
     del HASHERS[:-4]  # the latest engines' hashers, for reports and tests
     return hasher

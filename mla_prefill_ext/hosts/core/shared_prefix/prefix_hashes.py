@@ -12,8 +12,9 @@ same, takes those blocks' hashes as they are, and lets vLLM's hasher compute the
 (it starts after the hashes the request already holds). Exact by construction: a block's hash is a
 function of its parent's hash, its tokens and its extra keys, and for a plain request (no multimodal
 features, LoRA, cache salt or prompt embeddings) the extra keys are None for every block; so equal
-leading tokens give equal hashes, computed by the same hasher (same function, block size and
-``NONE_HASH``). Any other request is hashed by vLLM alone and never lends its hashes.
+leading tokens give equal hashes, computed by the same hasher (same function and block size) from the
+same ``NONE_HASH`` (donors are dropped when vLLM draws it again, as a second engine in the process
+does). Any other request is hashed by vLLM alone and never lends its hashes.
 """
 
 from __future__ import annotations
@@ -70,11 +71,17 @@ def common_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> in
 class ReusingHasher:
     """vLLM's request block hasher, reusing the hashes of leading blocks it has already hashed."""
 
-    def __init__(self, inner: Callable[[Any], list[Any]], block_size: int) -> None:
+    def __init__(
+        self, inner: Callable[[Any], list[Any]], block_size: int, epoch: Callable[[], Any] = lambda: None
+    ) -> None:
         self.inner = inner
         self.block_size = block_size
+        # What every chain of hashes starts from (vLLM's NONE_HASH): donors of another epoch are dropped.
+        self._epoch = epoch
+        self._donors_epoch: Any = None
         self._donors: list[tuple[list[int], list[Any]]] = []  # most recent first
-        self._lock = threading.Lock()  # the engine core hashes on one thread; the lock keeps it so
+        # New requests are hashed on the engine core's input thread, decoded blocks on its core thread.
+        self._lock = threading.Lock()
         self.reused_blocks = 0
         self.hashed_blocks = 0
 
@@ -88,6 +95,10 @@ class ReusingHasher:
         if not isinstance(tokens, list):
             tokens = list(tokens)
         with self._lock:
+            epoch = self._epoch()
+            if epoch is not self._donors_epoch:
+                self._donors.clear()
+                self._donors_epoch = epoch
             at, k = self._longest(tokens, full)
             reused = self._donors[at][1][:k] if k else []
             if not reused:

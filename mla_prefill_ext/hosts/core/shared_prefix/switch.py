@@ -108,12 +108,11 @@ def decide_hash_reuse(vllm_config: Any) -> PathDecision:
     The same setting as the path; for MLA models only (the add-on leaves other engines alone). The
     attention exclusions do not apply: the hashes are vLLM's own, bit for bit, whatever the runner.
     """
-    additional = getattr(vllm_config, "additional_config", None)
-    on, source = shared_prefix_setting(additional)
+    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
+        return PathDecision(False, "the model does not use MLA")  # before the switch: not ours to read
+    on, source = shared_prefix_setting(getattr(vllm_config, "additional_config", None))
     if not on:
         return PathDecision(False, f"turned off by {source}")
-    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
-        return PathDecision(False, "the model does not use MLA")
     return PathDecision(True, "leading blocks equal to a recent request's take its hashes")
 
 
