@@ -9,7 +9,9 @@ version and arms the host for it (:mod:`mla_prefill_ext.hosts`): on vLLM 0.20 on
 per module that binds vLLM's prefill selector (``hosts.vllm_0_23.BINDING_MODULES``), so
 each lands when its vLLM module is imported, whether that happened before activation or
 happens after it. A host's own modules load only then: processes that never import the
-MLA module (an API server front end, a model without MLA) never pay for them.
+MLA module (an API server front end, a model without MLA) never pay for them. On both hosts one more hook,
+on ``vllm.v1.engine.core``, gives the engine core's block hasher the shared-prefix path's hash
+reuse (:mod:`mla_prefill_ext.hosts.core.shared_prefix.engine_core`).
 """
 
 from __future__ import annotations

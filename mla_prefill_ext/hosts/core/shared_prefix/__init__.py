@@ -16,4 +16,6 @@ this package puts them where vLLM runs its own context path:
 * :mod:`.layer`: per layer, in place of ``_compute_prefill_context`` when the step has a plan.
 * :mod:`.routing`: short extends that share a prefix moved to the prefill path when cheaper.
 * :mod:`.instrumentor`: the wrappers, all or none, symmetric and idempotent.
+* :mod:`.prefix_hashes` and :mod:`.engine_core`: in the engine core, a shared prefix's block hashes
+  computed once (vLLM's hasher wrapped; its hashes bit for bit), on either model runner.
 """
