@@ -510,6 +510,7 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
     prefix = common.seeded_tokens("prefix", args.prefix, engine.vocab)
     res: dict[str, Any] = {
         "block_size": block_size,
+        "hasher": args.hasher,
         "not_built": dict(engine.missing),
         "hash_algo": engine.core["hash_algo"] if engine.core else None,
         "scheduler_cls": getattr(engine, "scheduler_cls", None),

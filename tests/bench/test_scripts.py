@@ -207,6 +207,16 @@ def test_prefix_host_cost_times_every_part_on_vllms_own_objects(tmp_path):
     assert "not built" not in proc.stdout and "not run" not in proc.stdout
 
 
+def test_prefix_host_cost_with_the_addons_hasher_still_hits_the_cache(tmp_path):
+    """--hasher reuse: the add-on's engine-core hasher around vLLM's; the prefix's blocks still hit."""
+    out = tmp_path / "host.json"
+    args = ["--requests", "3", "--prefix", "256", "--repeats", "1", "--block-size", "16", "--hasher", "reuse"]
+    run_bench("prefix_host_cost", *args, "--json", str(out))
+    (res,) = json.loads(out.read_text())["prefix_host_cost"]
+    assert res["hasher"] == "reuse" and res["not_built"] == {} and res["not_run"] == {}, res
+    assert res["cached_tokens"] == [3 * 256] and res["finished_requests"] == [3]
+
+
 def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypatch):
     """A part vLLM cannot build here is reported with its reason; the parts needing it did not run."""
     bench = load_script("prefix_host_cost")
