@@ -31,7 +31,6 @@ _LOCK = threading.Lock()
 _active = False
 _mode: str | None = None  # what the active process armed: versions.PATCH, BRIDGE or NONE
 _HOOKED: set[str] = set()  # the modes whose post-import hooks wrapt holds
-ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
 
 def is_active() -> bool:
@@ -106,16 +105,16 @@ def activate() -> None:
     if decision.mode == versions.NONE:
         _activate_stock_guard(decision.reason or "vLLM is not supported")
         return
-    from mla_prefill_ext.hosts import vllm_0_20
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE, vllm_0_20
 
     with _LOCK:
         if _active:
             return
         _register_hooks_once("patch", _on_imported, vllm_0_20.PATCH_SETS)
-        _register_hooks_once("engine-core", _on_engine_core_imported, [ENGINE_CORE_MODULE])
+        _register_hooks_once("engine-core", _on_engine_core_imported, [VLLM_ENGINE_CORE_MODULE])
         _active, _mode = True, versions.PATCH
     _run_for_imported(_on_imported, vllm_0_20.PATCH_SETS)
-    _run_for_imported(_on_engine_core_imported, [ENGINE_CORE_MODULE])
+    _run_for_imported(_on_engine_core_imported, [VLLM_ENGINE_CORE_MODULE])
 
 
 def _register_hooks_once(host: str, hook: Callable[[ModuleType], None], module_names: Iterable[str]) -> None:
@@ -199,20 +198,20 @@ def _on_bridge_module_imported(module: ModuleType) -> None:
 def _activate_bridge(decision: Any) -> None:
     """Arm the bridge: it lands when vLLM's MLA prefill package is imported (at once, usually)."""
     global _active, _mode
-    from mla_prefill_ext.hosts import vllm_0_23
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE, vllm_0_23
 
     with _LOCK:
         if _active:
             return
         _register_hooks_once("bridge", _on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
-        _register_hooks_once("engine-core", _on_engine_core_imported, [ENGINE_CORE_MODULE])
+        _register_hooks_once("engine-core", _on_engine_core_imported, [VLLM_ENGINE_CORE_MODULE])
         _active, _mode = True, "bridge"
     if decision.warning is not None:
         from mla_prefill_ext._logging import logger
 
         logger.warning("mla-prefill-ext: %s", decision.warning)
     _run_for_imported(_on_bridge_module_imported, vllm_0_23.BINDING_MODULES)
-    _run_for_imported(_on_engine_core_imported, [ENGINE_CORE_MODULE])
+    _run_for_imported(_on_engine_core_imported, [VLLM_ENGINE_CORE_MODULE])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -230,12 +229,13 @@ def deactivate() -> None:
         PATCH_HOST,
         SHARED_PREFIX_MODULE,
         STOCK_GUARD_MODULE,
+        VLLM_ENGINE_CORE_MODULE,
     )
 
     with _LOCK:
         _active, _mode = False, None
-    if ENGINE_CORE_PATH_MODULE in sys.modules and ENGINE_CORE_MODULE in sys.modules:
-        sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument(sys.modules[ENGINE_CORE_MODULE])
+    if ENGINE_CORE_PATH_MODULE in sys.modules and VLLM_ENGINE_CORE_MODULE in sys.modules:
+        sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument(sys.modules[VLLM_ENGINE_CORE_MODULE])
     if SHARED_PREFIX_MODULE in sys.modules:
         sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument()
     if f"{BRIDGE_HOST}.bridge" in sys.modules:

@@ -23,6 +23,7 @@ BRIDGE_HOST = f"{__name__}.vllm_0_23"
 STOCK_GUARD_MODULE = f"{__name__}.core.stock_guard"
 SHARED_PREFIX_MODULE = f"{__name__}.core.shared_prefix.instrumentor"
 ENGINE_CORE_PATH_MODULE = f"{__name__}.core.shared_prefix.engine_core"
+VLLM_ENGINE_CORE_MODULE = "vllm.v1.engine.core"  # where the engine core makes its block hasher
 
 __all__ = [
     "BRIDGE_HOST",
@@ -30,6 +31,7 @@ __all__ = [
     "PATCH_HOST",
     "SHARED_PREFIX_MODULE",
     "STOCK_GUARD_MODULE",
+    "VLLM_ENGINE_CORE_MODULE",
     "host_report",
     "shared_prefix_report",
 ]
@@ -100,12 +102,11 @@ def _hashes_outlook() -> str:
     from mla_prefill_ext.hosts.core.shared_prefix import engine_core
 
     try:
-        problem = engine_core.problem(
-            importlib.import_module(engine_core.ENGINE_CORE_MODULE),
-            importlib.import_module(engine_core.KV_CACHE_UTILS_MODULE),
-        )
+        core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
     except Exception as e:  # info reports, it does not fail
-        problem = f"its shape could not be read ({type(e).__name__}: {e})"
+        problem: str | None = f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
+    else:
+        problem = engine_core.INSTRUMENTOR.check(core)  # the check instrument() runs
     if problem is not None:
         return f"block hashes not reused ({problem})"
     return (

@@ -123,7 +123,8 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
-COUNTERS = ("steps", "steps_routed", "steps_with_segments", "blocks_reused")
+PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' shared_prefix reports
+COUNTERS = (*PATH_COUNTERS, "blocks_reused")  # and the engine core's prefix_hashes report
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
@@ -135,7 +136,7 @@ def path_counters(llm: Any) -> dict[str, int] | None:
     reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
         return None
-    counters = {k: sum(int(r.get(k, 0)) for r in reports) for k in COUNTERS if k != "blocks_reused"}
+    counters = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
     counters["blocks_reused"] = sum(
         int((w.get("prefix_hashes") or {}).get("reused_blocks", 0)) for w in workers
     )

@@ -161,7 +161,9 @@ def test_common_blocks_is_the_longest_equal_run(seed):
 def core_modules():
     import importlib
 
-    core = importlib.import_module(engine_core.ENGINE_CORE_MODULE)
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE
+
+    core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
     utils = importlib.import_module(engine_core.KV_CACHE_UTILS_MODULE)
     engine_core.INSTRUMENTOR.uninstrument(core)
     yield core, utils

@@ -1,6 +1,7 @@
 """The engine core's part of the shared-prefix path: a shared prefix's block hashes computed once.
 
-Two wrappers in ``vllm.v1.engine.core`` (as in vLLM 0.20.2, 0.25.1 and 0.33.0), all or none:
+Two wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
+in vLLM 0.20.2, 0.25.1 and 0.33.0), all or none:
 ``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
 loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
 engine's configuration; the module's binding of ``get_request_block_hasher`` then returns a
@@ -25,7 +26,6 @@ from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 
-ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 KV_INIT = "EngineCore._initialize_kv_caches"
 FACTORY = "get_request_block_hasher"
@@ -57,7 +57,8 @@ EXTRA_KEYS_READ = frozenset(
         "tuple",
     }
 )
-# Each source, what it may read; the first name is the request's field that is empty for a plain request.
+# Each source, what it may read (the request field it starts from is one of those a plain request has
+# empty, prefix_hashes.is_plain).
 EXTRA_KEY_SOURCES = {
     "_gen_mm_extra_hash_keys": {
         "mm_features",
@@ -92,7 +93,7 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
     """Why these modules do not have the shape the wrappers were written for (None: they do)."""
     engine_core = getattr(core_module, "EngineCore", None)
     if engine_core is None or "_initialize_kv_caches" not in engine_core.__dict__:
-        return f"{ENGINE_CORE_MODULE}.{KV_INIT} is not defined there"
+        return f"{core_module.__name__}.{KV_INIT} is not defined there"
     if "vllm_config" not in inspect.signature(engine_core.__dict__["_initialize_kv_caches"]).parameters:
         return f"{KV_INIT} takes no vllm_config"
     init_names = _code_names(engine_core.__init__)
@@ -101,12 +102,13 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
     if init_names.index("_initialize_kv_caches") > init_names.index(FACTORY):
         return f"EngineCore.__init__ makes the block hasher before {KV_INIT}"
     factory = getattr(core_module, FACTORY, None)
-    if getattr(factory, "__wrapped__", factory) is not getattr(kv_cache_utils, FACTORY, None):
-        return f"{ENGINE_CORE_MODULE}.{FACTORY} is not vLLM's {KV_CACHE_UTILS_MODULE}.{FACTORY}"
+    vllms_factory = getattr(factory, "__wrapped__", factory)
+    if vllms_factory is not getattr(kv_cache_utils, FACTORY, None):
+        return f"{core_module.__name__}.{FACTORY} is not vLLM's {KV_CACHE_UTILS_MODULE}.{FACTORY}"
     params = list(inspect.signature(factory).parameters)
     if len(params) not in (2, 3) or params[2:] not in ([], [LOOKAHEAD]):
         return f"{FACTORY} does not take (block size, hash function[, {LOOKAHEAD}])"
-    code = getattr(getattr(factory, "__wrapped__", factory), "__code__", None)
+    code = getattr(vllms_factory, "__code__", None)
     hashers = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
     if len(hashers) != 1:
         return f"{FACTORY} no longer makes one hasher"
