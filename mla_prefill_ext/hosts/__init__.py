@@ -108,8 +108,9 @@ def _hashes_outlook() -> str:
     else:
         problem = engine_core.INSTRUMENTOR.check(core)  # the check instrument() runs
     if problem is not None:
-        return f"block hashes not reused ({problem})"
+        return f"block hashes and prefix-cache hits not reused ({problem})"
     return (
         "the engine core reuses a shared prefix's block hashes (MLA models; requests without LoRA, cache "
-        "salt, multimodal inputs or prompt embeddings; either model runner)"
+        "salt, multimodal inputs or prompt embeddings; either model runner) and its prefix-cache hits (one "
+        "full-attention KV cache group, without EAGLE or context parallelism)"
     )

@@ -2,7 +2,8 @@
 """Host time of vLLM's own handling of requests over a cached prefix, part by part, on the CPU.
 
     python -m scripts.bench prefix_host_cost [--requests 16] [--prefix 32768] [--new 1]
-        [--block-size 64 [16 ...]] [--repeats 5] [--torch-threads 1] [--json out.json]
+        [--block-size 64 [16 ...]] [--repeats 5] [--torch-threads 1] [--hasher stock|reuse]
+        [--hits stock|reuse] [--json out.json]
 
 What one ``LLM.generate`` call of ``--requests`` prompts (``--prefix`` tokens shared by all and
 already in the prefix cache, then ``--new`` tokens of each request's own, ``max_tokens=1``) costs
@@ -139,13 +140,14 @@ class GCClock:
 class Engine:
     """vLLM's real objects for one block size, each built where it can be (else the reason why)."""
 
-    def __init__(self, block_size: int, hasher: str = "stock"):
+    def __init__(self, block_size: int, hasher: str = "stock", hits: str = "stock"):
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
         from .engine import MODEL_DIR
 
         self.block_size = block_size
         self.hasher = hasher
+        self.hits = hits
         self.missing: dict[str, str] = {}  # component -> why it could not be built
         model = ModelConfig(
             model=str(MODEL_DIR), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
@@ -245,7 +247,7 @@ class Engine:
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, self.config)
         cls = self.config.scheduler_config.get_scheduler_cls()
         self.scheduler_cls = f"{cls.__module__}.{cls.__qualname__}"
-        return cls(
+        scheduler = cls(
             vllm_config=self.config,
             kv_cache_config=kv,
             structured_output_manager=StructuredOutputManager(self.config),
@@ -254,6 +256,17 @@ class Engine:
             block_size=scheduler_block_size,
             hash_block_size=hash_block_size,
         )
+        if self.hits == "reuse":  # the add-on's lookups around vLLM's (prefix_hits), as its wrapper does
+            from mla_prefill_ext.hosts.core.shared_prefix.prefix_hits import PrefixHits, lookup_problem
+
+            coordinator = scheduler.kv_cache_manager.coordinator
+            problem = lookup_problem(coordinator)
+            if problem is not None:
+                raise RuntimeError(f"prefix-cache hits cannot be reused here: {problem}")
+            hits, lookup = PrefixHits(self.block_size), coordinator.find_longest_cache_hit
+            coordinator.find_longest_cache_hit = lambda hashes, max_len: hits.find(lookup, hashes, max_len)
+            self.prefix_hits = hits
+        return scheduler
 
     def _runner(self) -> Any:
         import torch
@@ -506,11 +519,12 @@ def warm_prefix(engine: Engine, prefix: list[int]) -> int:
 
 
 def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
-    engine = Engine(block_size, args.hasher)
+    engine = Engine(block_size, args.hasher, args.hits)
     prefix = common.seeded_tokens("prefix", args.prefix, engine.vocab)
     res: dict[str, Any] = {
         "block_size": block_size,
         "hasher": args.hasher,
+        "hits": args.hits,
         "not_built": dict(engine.missing),
         "hash_algo": engine.core["hash_algo"] if engine.core else None,
         "scheduler_cls": getattr(engine, "scheduler_cls", None),
@@ -550,6 +564,9 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
     res["gc_collections"] = [c.gc.collections for c in timed]
     res["raw_ms"] = {key: [c.times[key] for c in timed if key in c.times] for key, _, _ in PARTS}
     res["not_run"] = {k: v for c in timed for k, v in c.skipped.items()}
+    hits = getattr(engine, "prefix_hits", None)
+    if hits is not None:  # over every call, the warm-up's and the untimed one's included
+        res["prefix_hits"] = {"reused": hits.reused_hits, "looked_up": hits.looked_up}
     res["parts"] = {}
     for key, what, in_total in PARTS:
         raw = res["raw_ms"][key]
@@ -605,6 +622,13 @@ def main(argv: list[str] | None = None) -> int:
         default="stock",
         help="vLLM's block hasher, or the add-on's around it (hashes of leading blocks equal to a recent"
         " request's reused: the engine core's part of the shared-prefix path)",
+    )
+    parser.add_argument(
+        "--hits",
+        choices=("stock", "reuse"),
+        default="stock",
+        help="vLLM's prefix-cache lookup, or the add-on's around it (hits of leading blocks a recent lookup"
+        " found, still cached, reused: the engine core's part of the shared-prefix path)",
     )
     parser.add_argument("--json", help="write the results and every raw time here")
     args = parser.parse_args(argv)

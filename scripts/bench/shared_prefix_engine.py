@@ -124,22 +124,22 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
 
 
 PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' shared_prefix reports
-COUNTERS = (*PATH_COUNTERS, "blocks_reused")  # and the engine core's prefix_hashes report
+COUNTERS = (*PATH_COUNTERS, "blocks_reused", "hits_reused")  # and the engine core's prefix_hashes report
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
     """The shared-prefix path's counters summed over the engine's workers (None: the path is not there).
 
-    ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing
-    (read where the engine core runs in the worker's process, as on one GPU; else 0)."""
+    ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing;
+    ``hits_reused``: prefix-cache hits its scheduler took from an earlier lookup instead of looking
+    the blocks up (both read where the engine core runs in the worker's process, as on one GPU; else 0)."""
     workers = llm.collective_rpc(engine.prefill_owners)
     reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
         return None
     counters = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
-    counters["blocks_reused"] = sum(
-        int((w.get("prefix_hashes") or {}).get("reused_blocks", 0)) for w in workers
-    )
+    for counter, key in (("blocks_reused", "reused_blocks"), ("hits_reused", "reused_hits")):
+        counters[counter] = sum(int((w.get("prefix_hashes") or {}).get(key, 0)) for w in workers)
     return counters
 
 

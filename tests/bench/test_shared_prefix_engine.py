@@ -306,13 +306,20 @@ def test_the_markdown_table_shows_seconds_and_ratios_with_their_range():
 
 
 def test_the_paths_counters_per_timed_call_and_their_summary():
-    before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3, "blocks_reused": 0}
-    after = {"steps": 12, "steps_routed": 3, "steps_with_segments": 5, "blocks_reused": 30720}
+    before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3, "blocks_reused": 0, "hits_reused": 7}
+    after = {
+        "steps": 12,
+        "steps_routed": 3,
+        "steps_with_segments": 5,
+        "blocks_reused": 30720,
+        "hits_reused": 30727,
+    }
     assert bench.counter_delta(before, after) == {
         "steps": 2,
         "steps_routed": 1,
         "steps_with_segments": 2,
         "blocks_reused": 30720,
+        "hits_reused": 30720,
     }
     assert bench.counter_delta(None, after) is None  # stock: no path to count
     records = [
@@ -324,6 +331,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps_routed": 1,
             "steps_with_segments": 1,
             "blocks_reused": 30720,
+            "hits_reused": 30720,
         },
         {
             "side": "FLASH_ATTN",
@@ -333,11 +341,12 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps_routed": 1,
             "steps_with_segments": 1,
             "blocks_reused": 32768,
+            "hits_reused": 30720,
         },
     ]
     assert bench.path_steps_lines(records) == [
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
-        "blocks_reused [30720, 32768]"
+        "blocks_reused [30720, 32768], hits_reused [30720, 30720]"
     ]
 
 

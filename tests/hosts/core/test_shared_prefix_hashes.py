@@ -187,7 +187,7 @@ def test_another_shape_wraps_nothing_and_says_why(core_modules, addon_log):
         "EngineCore._initialize_kv_caches is not defined there"
         in engine_core.INSTRUMENTOR.report()["problem"]
     )
-    assert any("block hashes not reused" in r.getMessage() for r in addon_log)
+    assert any("block hashes and prefix-cache hits not reused" in r.getMessage() for r in addon_log)
 
 
 def _engine_config_seen(core, config):

@@ -1,13 +1,16 @@
-"""The engine core's part of the shared-prefix path: a shared prefix's block hashes computed once.
+"""The engine core's part of the shared-prefix path: a shared prefix's block hashes and cache lookup done once.
 
 Two wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
-in vLLM 0.20.2, 0.25.1 and 0.33.0), all or none:
+in vLLM 0.20.2, 0.25.1 and 0.33.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
 ``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
 loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
 engine's configuration; the module's binding of ``get_request_block_hasher`` then returns a
 :class:`~.prefix_hashes.ReusingHasher` around vLLM's hasher when :func:`.switch.decide_hash_reuse`
-says so, one INFO line per process and decision. When the module has another shape nothing is
-wrapped and one INFO line says why: vLLM hashes every request's blocks as it always does.
+says so, one INFO line per process and decision. ``UnitaryKVCacheCoordinator.__init__`` notes the
+coordinators the engine core's scheduler makes in between, and with the same decision each that can
+serve it gets a :class:`~.prefix_hits.PrefixHits`, which its ``find_longest_cache_hit`` then goes
+through. When a module has another shape nothing is wrapped and one INFO line says why: vLLM hashes
+and looks up every request's blocks as it always does.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
-from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.hosts.core.shared_prefix import prefix_hits, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
@@ -131,6 +134,7 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
 def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``EngineCore._initialize_kv_caches``: the configuration noted for the hasher made after it."""
     _LOCAL.config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    prefix_hits.collect(True)  # the scheduler's coordinator is made next, before the block hasher
     return wrapped(*args, **kwargs)
 
 
@@ -155,12 +159,15 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             decision = switch.decide_hash_reuse(config)
         except ValueError as e:  # an invalid switch stops the engine, naming it
             raise RuntimeError(f"mla-prefill-ext: {e}") from None
+    problems = prefix_hits.attach(decision.on)
     log_once(
         logging.INFO,
-        ("shared-prefix-hashes", decision),
-        "MLA shared-prefix prefill (mla-prefill-ext): block hashes of shared prefixes %s (%s).",
+        ("shared-prefix-hashes", decision, tuple(problems)),
+        "MLA shared-prefix prefill (mla-prefill-ext): block hashes and prefix-cache hits of shared "
+        "prefixes %s (%s)%s.",
         "reused" if decision.on else "not reused",
         decision.reason,
+        f"; prefix-cache hits not reused: {'; '.join(problems)}" if problems else "",
     )
     if not decision.on:
         return inner
@@ -180,12 +187,26 @@ class EngineCoreInstrumentor(Instrumentor):
 
     def check(self, module: ModuleType) -> str | None:
         try:
-            return problem(module, importlib.import_module(KV_CACHE_UTILS_MODULE))
+            return problem(module, importlib.import_module(KV_CACHE_UTILS_MODULE)) or (
+                prefix_hits.coordinator_problem(importlib.import_module(prefix_hits.COORDINATOR_MODULE))
+            )
         except (ImportError, TypeError, ValueError) as e:
             return f"its shape could not be read ({type(e).__name__}: {e})"
 
     def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
         return [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
+
+    def complete(self, module: ModuleType) -> str | None:
+        """The coordinator's two wrappers, with the engine core's or not at all."""
+        coordinators = importlib.import_module(prefix_hits.COORDINATOR_MODULE)
+        cls = prefix_hits.COORDINATOR
+        return self._state.wrappers.wrap_all(
+            coordinators,
+            [
+                (f"{cls}.__init__", prefix_hits.note_coordinator),
+                (f"{cls}.find_longest_cache_hit", prefix_hits.find_longest_cache_hit),
+            ],
+        )
 
     def skip(self, reason: str, module: ModuleType | None = None) -> None:
         reason = f"vLLM {versions.installed_vllm_version()}: {reason}"
@@ -193,19 +214,23 @@ class EngineCoreInstrumentor(Instrumentor):
         log_once(
             logging.INFO,
             ("shared-prefix-hashes-shape", reason),
-            "MLA shared-prefix prefill (mla-prefill-ext): block hashes not reused (%s); vLLM hashes "
-            "every request's blocks.",
+            "MLA shared-prefix prefill (mla-prefill-ext): block hashes and prefix-cache hits not reused "
+            "(%s); vLLM hashes and looks up every request's blocks.",
             reason,
         )
 
     def report(self) -> dict[str, object]:
-        """Wrapped or why not; the blocks the latest hasher reused and hashed in this process."""
+        """Wrapped or why not; the blocks the latest hasher reused and hashed, and the cache hits the
+        latest coordinator reused and looked up, in this process."""
         latest = HASHERS[-1] if HASHERS else None
+        hits = prefix_hits.LATEST[-1] if prefix_hits.LATEST else None
         return {
             "instrumented": self.is_instrumented(),
             "problem": self.state().skipped_reason,
             "reused_blocks": latest.reused_blocks if latest else 0,
             "hashed_blocks": latest.hashed_blocks if latest else 0,
+            "reused_hits": hits.reused_hits if hits else 0,
+            "looked_up_hits": hits.looked_up if hits else 0,
         }
 
 

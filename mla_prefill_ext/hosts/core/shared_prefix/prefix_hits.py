@@ -1,0 +1,274 @@
+"""A shared prefix's prefix-cache lookup, done once per engine core instead of once per request.
+
+With prefix caching on, vLLM's scheduler looks every new request's block hashes up in the block
+pool, one dictionary lookup per block (``FullAttentionManager.find_longest_cache_hit`` through
+``BlockPool.get_cached_block``): sixteen requests over one cached 32k prefix look the same 2,048
+blocks up 16 times. With the block hashes reused (:mod:`.prefix_hashes`) that lookup is the largest
+part left of such a call's fixed host cost (docs/results/cpu-2026-12-02-prefix-hashes).
+
+:class:`PrefixHits` remembers the hits of the last few lookups of one KV-cache coordinator. A new
+lookup whose leading block hashes equal one of them takes those blocks, as long as none of them
+was evicted since, and lets vLLM's lookup find the rest, starting after them. Exact: for a single
+full-attention group without EAGLE's dropped block or context parallelism (:func:`lookup_problem`)
+vLLM's lookup walks the hashes from the first and takes, for each, the first block the pool maps
+it to, stopping at the first miss; so the lookup of ``hashes`` is the lookup of ``hashes[:k]``
+followed by that of ``hashes[k:]``. A block the pool returned for a hash stays the first block for
+it until the pool removes it, and every removal (eviction, ``reset_prefix_cache``) resets the
+block's hash; re-caching sets a new hash object. So a remembered block is still what vLLM would
+return while its ``_block_hash`` is the very object it held when it was found (an identity test).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any, NamedTuple
+
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
+
+MEMOS = 8
+"""Lookups remembered per coordinator (a new one extending one takes its place)."""
+
+_HASH_SLOT = "_block_hash"  # KVCacheBlock's field behind its block_hash property (0.20.2-0.33.0)
+_slot_of = operator.attrgetter(_HASH_SLOT)
+
+
+class _Memo(NamedTuple):
+    hashes: list[Any]  # the leading block hashes that hit
+    blocks: list[Any]  # the block vLLM returned for each
+    keys: list[Any]  # each block's hash object when it was found
+
+
+def lookup_problem(coordinator: Any) -> str | None:
+    """Why ``coordinator``'s lookups cannot be taken apart as :class:`PrefixHits` does (None: they can).
+
+    Written for vLLM's ``UnitaryKVCacheCoordinator`` over one ``FullAttentionManager`` (MLA's spec
+    is a full-attention spec), hashed at the cache's block size, without EAGLE's dropped last block
+    (0.20-0.25 ``eagle_group_ids``, 0.33 ``drop_eagle_group_ids``), context parallelism or 0.33's
+    lookahead hashes.
+    """
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if type(coordinator) is not UnitaryKVCacheCoordinator:
+        return f"the KV cache coordinator is a {type(coordinator).__name__}"
+    managers = getattr(coordinator, "single_type_managers", ())
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return "the KV cache is not one full-attention group"
+    if not getattr(coordinator, "enable_caching", False):
+        return "prefix caching is off"
+    drop = getattr(coordinator, "drop_eagle_group_ids", getattr(coordinator, "eagle_group_ids", None))
+    if drop is None or drop:
+        return "EAGLE's last block is dropped from every hit (not served yet)"
+    if getattr(coordinator, "dcp_world_size", 1) != 1 or getattr(coordinator, "pcp_world_size", 1) != 1:
+        return "context parallelism is on (not served yet)"
+    if getattr(coordinator, "num_hash_lookahead_tokens", 0):
+        return "the hashes look ahead for speculative decoding (not served yet)"
+    block_size = getattr(coordinator, "block_size", None)
+    spec_size = getattr(getattr(coordinator, "kv_cache_spec", None), "block_size", None)
+    hash_size = getattr(getattr(coordinator, "block_pool", None), "hash_block_size", block_size)
+    if block_size is None or not block_size == spec_size == hash_size:
+        return f"blocks of {spec_size} tokens are hashed by {hash_size} (not served yet)"
+    return None
+
+
+class PrefixHits:
+    """One coordinator's recent cache hits, lent to lookups that start with the same hashes."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._memos: list[_Memo] = []  # most recent first
+        self._lock = threading.Lock()
+        self.reused_hits = 0  # blocks taken from a remembered hit
+        self.looked_up = 0  # blocks vLLM's lookup returned
+
+    def find(self, lookup: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        """vLLM's ``find_longest_cache_hit(block_hashes, max_cache_hit_length)`` (``lookup``), reusing hits.
+
+        Returns what ``lookup`` returns: ``(hit_blocks, hit_tokens, ...)``, ``hit_blocks`` a tuple
+        holding one list of blocks.
+        """
+        if not isinstance(block_hashes, list) or not block_hashes:
+            return lookup(block_hashes, max_cache_hit_length)
+        bs = self.block_size
+        limit = min(len(block_hashes), max_cache_hit_length // bs)
+        with self._lock:
+            at, k = self._longest(block_hashes, limit)
+            memo = self._memos[at] if k else None
+            if memo is not None:
+                k = self._still_cached(memo, k)
+            if not k:
+                result = lookup(block_hashes, max_cache_hit_length)
+            else:
+                result = lookup(block_hashes[k:], max_cache_hit_length - k * bs)
+                result[0][0][0:0] = memo.blocks[:k]
+                result = (result[0], result[1] + k * bs, *result[2:])
+            hit = result[0][0]
+            self.reused_hits += k
+            self.looked_up += len(hit) - k
+            if hit:
+                keys = memo.keys[:k] if k else []
+                keys.extend(map(_slot_of, hit[k:]))
+                self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys), at if k else -1)
+        return result
+
+    def _longest(self, block_hashes: list[Any], limit: int) -> tuple[int, int]:
+        best, best_at = 0, -1
+        for at, memo in enumerate(self._memos):
+            n = min(limit, len(memo.hashes))
+            if n <= best or block_hashes[best] != memo.hashes[best]:
+                continue  # can only do better if it agrees on the hash after the best so far
+            k = common_blocks(block_hashes, memo.hashes, 1, n)
+            if k > best:
+                best, best_at = k, at
+        return best_at, best
+
+    @staticmethod
+    def _still_cached(memo: _Memo, k: int) -> int:
+        """How many of the first ``k`` remembered blocks still hold the hash object they were found with."""
+        blocks, keys = memo.blocks, memo.keys
+        if all(map(operator.is_, map(_slot_of, blocks[:k]), keys[:k])):
+            return k
+        for i in range(k):
+            if getattr(blocks[i], _HASH_SLOT) is not keys[i]:
+                return i
+        return k
+
+    def _remember(self, memo: _Memo, at: int) -> None:
+        if at >= 0:
+            old = self._memos[at]
+            shared = common_blocks(memo.hashes, old.hashes, 1, min(len(memo.hashes), len(old.hashes)))
+            if shared in (len(old.hashes), len(memo.hashes)):  # one holds the other: keep the longer
+                del self._memos[at]
+                if len(old.hashes) > len(memo.hashes):
+                    memo = old
+        self._memos.insert(0, memo)
+        del self._memos[MEMOS:]
+
+
+COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
+COORDINATOR = "UnitaryKVCacheCoordinator"
+HITS_ATTR = "_mla_prefill_ext_hits"  # on a coordinator whose engine reuses hits: its PrefixHits
+
+# What each function on the lookup's path reads in vLLM 0.20.2, 0.25.1 and 0.33.0: a name outside
+# these sets is a lookup this was not written for, and nothing is wrapped there.
+COORDINATOR_LOOKUP_MAY_READ = frozenset(
+    {
+        "block_pool",
+        "block_size",
+        "dcp_world_size",
+        "pcp_world_size",
+        "eagle_group_ids",
+        "drop_eagle_group_ids",
+        "find_longest_cache_hit",
+        "kv_cache_spec",
+        "len",
+        "single_type_managers",
+    }
+)
+MANAGER_LOOKUP_MUST_READ = frozenset({"get_cached_block", "islice"})
+MANAGER_LOOKUP_MAY_READ = MANAGER_LOOKUP_MUST_READ | {
+    "BlockHashListWithBlockSize",
+    "ChunkedLocalAttentionSpec",
+    "FullAttentionSpec",
+    "Sequence",
+    "append",
+    "block_size",
+    "cdiv",
+    "hash_block_size",
+    "isinstance",
+    "itertools",
+    "len",
+    "min",
+    "pop",
+    "range",
+    "resolve_block_hashes",
+    "supports_fine_grained_hash_lookup",
+    "tuple",
+    "zip",
+}
+POOL_LOOKUP_READS = frozenset(
+    {"append", "cached_block_hash_to_block", "get_one_block", "make_block_hash_with_group_id"}
+)
+FIRST_BLOCK_READS = frozenset({"next", "iter", "values"})  # get_one_block: the first block of a hash
+
+
+def _names(fn: Any) -> set[str]:
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def coordinator_problem(module: Any) -> str | None:
+    """Why vLLM's lookup path does not have the shape :class:`PrefixHits` was written for (None: it does)."""
+    import inspect
+
+    from vllm.v1.core import block_pool, kv_cache_utils, single_type_kv_cache_manager
+
+    cls = getattr(module, COORDINATOR, None)
+    if cls is None or "find_longest_cache_hit" not in cls.__dict__:
+        return f"{module.__name__}.{COORDINATOR}.find_longest_cache_hit is not defined there"
+    params = list(inspect.signature(cls.find_longest_cache_hit).parameters)
+    if params != ["self", "block_hashes", "max_cache_hit_length"]:
+        return f"{COORDINATOR}.find_longest_cache_hit takes {params[1:]}"
+    unknown = _names(cls.find_longest_cache_hit) - COORDINATOR_LOOKUP_MAY_READ
+    if unknown:
+        return f"{COORDINATOR}.find_longest_cache_hit reads {sorted(unknown)} (unknown here)"
+    manager = getattr(single_type_kv_cache_manager, "FullAttentionManager", None)
+    reads = _names(getattr(manager, "find_longest_cache_hit", None))
+    if MANAGER_LOOKUP_MUST_READ - reads or reads - MANAGER_LOOKUP_MAY_READ:
+        return f"FullAttentionManager.find_longest_cache_hit reads {sorted(reads - MANAGER_LOOKUP_MAY_READ)}"
+    pool = getattr(block_pool, "BlockPool", None)
+    if _names(getattr(pool, "get_cached_block", None)) != POOL_LOOKUP_READS:
+        return "BlockPool.get_cached_block has another shape"
+    block_map = getattr(block_pool, "BlockHashToBlockMap", None)
+    if FIRST_BLOCK_READS - _names(getattr(block_map, "get_one_block", None)):
+        return "BlockHashToBlockMap.get_one_block no longer returns a hash's first block"
+    block = getattr(kv_cache_utils, "KVCacheBlock", None)
+    fields = getattr(block, "__dataclass_fields__", {})
+    if _HASH_SLOT not in fields or _HASH_SLOT not in _names(getattr(block, "reset_hash", None)):
+        return f"KVCacheBlock keeps its hash elsewhere than {_HASH_SLOT}"
+    return None
+
+
+_LOCAL = threading.local()  # coordinators made while an engine core is being built on this thread
+
+
+def collect(on: bool) -> None:
+    """Start (``on``) or stop noting the coordinators made on this thread (an engine core's build)."""
+    _LOCAL.pending = [] if on else None
+
+
+def note_coordinator(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``UnitaryKVCacheCoordinator.__init__``: the coordinator noted for its engine core's decision."""
+    result = wrapped(*args, **kwargs)
+    pending = getattr(_LOCAL, "pending", None)
+    if pending is not None:
+        pending.append(instance)
+    return result
+
+
+def attach(on: bool) -> list[str]:
+    """The noted coordinators get a :class:`PrefixHits` when ``on`` and they can serve it; returns
+    why those that cannot do not (empty: none). Stops noting."""
+    pending, _LOCAL.pending = getattr(_LOCAL, "pending", None) or [], None
+    problems = []
+    for coordinator in pending:
+        problem = lookup_problem(coordinator) if on else None
+        if problem is not None:
+            problems.append(problem)
+        elif on:
+            setattr(coordinator, HITS_ATTR, PrefixHits(int(coordinator.block_size)))
+            LATEST.append(getattr(coordinator, HITS_ATTR))
+            del LATEST[:-4]
+    return problems
+
+
+LATEST: list[PrefixHits] = []  # the latest engines' hits, for reports and tests
+
+
+def find_longest_cache_hit(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``UnitaryKVCacheCoordinator.find_longest_cache_hit``: through the coordinator's hits, if any."""
+    hits = getattr(instance, HITS_ATTR, None)
+    if hits is None or kwargs:
+        return wrapped(*args, **kwargs)
+    return hits.find(wrapped, *args)

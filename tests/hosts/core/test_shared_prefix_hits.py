@@ -1,0 +1,245 @@
+"""The engine core's reuse of a shared prefix's prefix-cache hits, against vLLM's real KV cache manager.
+
+Two of vLLM's ``KVCacheManager`` (block pool, coordinator, full-attention manager: all real) take
+the same requests, allocations, frees, evictions and cache resets in lockstep, one with its
+coordinator's lookups going through :class:`PrefixHits`; every lookup must return the same blocks
+and the same number of cached tokens, or a request would read another prefix's KV cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+
+import pytest
+import wrapt
+
+from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hits
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hits import HITS_ATTR, PrefixHits
+
+BLOCK = 16
+VOCAB = 129_280
+
+
+def kv_cache_config(num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+
+
+def manager(num_blocks: int, **overrides):
+    """vLLM's KVCacheManager for one MLA group, with the arguments this vLLM's constructor takes."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    wanted = {
+        "kv_cache_config": kv_cache_config(num_blocks),
+        "max_model_len": 8192,
+        "scheduler_block_size": BLOCK,
+        "hash_block_size": BLOCK,
+        "enable_caching": True,
+        **overrides,
+    }
+    params = inspect.signature(KVCacheManager.__init__).parameters
+    return KVCacheManager(**{k: v for k, v in wanted.items() if k in params})
+
+
+@pytest.fixture(scope="module")
+def hasher():
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    factory = getattr(kv_cache_utils.get_request_block_hasher, "__wrapped__", None)
+    return (factory or kv_cache_utils.get_request_block_hasher)(BLOCK, hash_fn)
+
+
+def request(tokens, hasher, rid):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+
+
+def with_hits(kv_manager) -> PrefixHits:
+    """``kv_manager``'s coordinator looking up through a PrefixHits, as the engine core's wrapper does."""
+    coordinator = kv_manager.coordinator
+    assert prefix_hits.lookup_problem(coordinator) is None
+    hits = PrefixHits(BLOCK)
+    lookup = coordinator.find_longest_cache_hit
+    coordinator.find_longest_cache_hit = lambda hashes, max_len: hits.find(lookup, hashes, max_len)
+    return hits
+
+
+def lockstep(seed: int, hasher, num_blocks: int, hits_manager=None, plain_manager=None):
+    """A seeded run of requests over shared prefixes through both managers; returns the hits' counts.
+
+    Each request is looked up, allocated (its blocks cached), and later freed; the pool is small
+    enough that allocations evict cached blocks, and once in a while the prefix cache is reset.
+    """
+    rng = random.Random(seed)
+    fast = hits_manager or manager(num_blocks)
+    plain = plain_manager or manager(num_blocks)
+    hits = with_hits(fast)
+
+    def toks(n):
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    prefixes = [toks(rng.randrange(2, 24) * BLOCK + rng.randrange(BLOCK)) for _ in range(4)]
+    live: list = []
+    for i in range(160):
+        base = rng.choice(prefixes)
+        cut = rng.choice([len(base), len(base), rng.randrange(1, len(base) + 1)])
+        req = request(base[:cut] + toks(rng.randrange(0, 3 * BLOCK)), hasher, f"r{seed}-{i}")
+        (got, got_n), (want, want_n) = fast.get_computed_blocks(req), plain.get_computed_blocks(req)
+        got_ids = [b.block_id for b in got.blocks[0]]
+        want_ids = [b.block_id for b in want.blocks[0]]
+        assert (got_ids, got_n) == (want_ids, want_n), f"request {i}: a hit vLLM would not give"
+        new = req.num_tokens - want_n
+        a = fast.allocate_slots(req, new, got_n, got)
+        b = plain.allocate_slots(req, new, want_n, want)
+        assert (a is None) == (b is None)
+        if a is not None:
+            live.append(req)
+        while live and (a is None or len(live) > 3 or rng.random() < 0.3):
+            done = live.pop(rng.randrange(len(live)))
+            fast.free(done)
+            plain.free(done)
+            if a is None:
+                break
+        if rng.random() < 0.02 and not live:
+            assert fast.reset_prefix_cache() == plain.reset_prefix_cache()
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_hit_is_vllms_own(hasher, seed):
+    hits = lockstep(seed, hasher, num_blocks=rng_blocks(seed))
+    assert hits.reused_hits > 0  # the runs do share prefixes
+
+
+def rng_blocks(seed: int) -> int:
+    return (64, 96, 160, 400, 1000, 2000)[seed % 6]  # from constant eviction to almost none
+
+
+def test_sixteen_requests_over_one_prefix_look_it_up_once(hasher):
+    kv = manager(4096)
+    plain = manager(4096)
+    hits = with_hits(kv)
+    prefix = list(range(1, 2048 * BLOCK // 16 + 1))  # 128 blocks
+    warm = request(prefix + [7], hasher, "warm")
+    for m in (kv, plain):
+        computed, n = m.get_computed_blocks(warm)
+        m.allocate_slots(warm, warm.num_tokens - n, n, computed)
+        m.free(warm)
+    for i in range(16):
+        req = request(prefix + [1000 + i] * 5, hasher, f"q{i}")
+        got, want = kv.get_computed_blocks(req), plain.get_computed_blocks(req)
+        assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
+        assert got[1] == want[1] == 128 * BLOCK
+    assert hits.looked_up == 128  # the first request; the warm-up's lookup found nothing to lend
+    assert hits.reused_hits == 15 * 128
+
+
+def test_without_the_eviction_check_a_stale_hit_is_caught(hasher, monkeypatch):
+    """A PrefixHits that trusts a remembered block without checking it was not evicted hands out
+    blocks that now hold other tokens: the lockstep comparison must see it."""
+    monkeypatch.setattr(PrefixHits, "_still_cached", staticmethod(lambda memo, k: k))
+    with pytest.raises(AssertionError, match="a hit vLLM would not give"):
+        for seed in range(6):
+            lockstep(seed, hasher, num_blocks=64)
+
+
+def test_lookups_it_cannot_take_apart_are_left_to_vllm():
+    assert prefix_hits.lookup_problem(manager(64).coordinator) is None
+    assert "EAGLE" in prefix_hits.lookup_problem(manager(64, use_eagle=True).coordinator)
+    assert prefix_hits.lookup_problem(manager(64, enable_caching=False).coordinator) is not None
+
+
+# --- the engine core's wrappers, on vLLM's real modules ---------------------------------------------
+
+
+@pytest.fixture
+def core_module():
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE
+
+    core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
+    engine_core.INSTRUMENTOR.uninstrument(core)
+    yield core
+    engine_core.INSTRUMENTOR.uninstrument(core)
+
+
+def test_this_vllms_lookup_has_the_shape():
+    assert prefix_hits.coordinator_problem(importlib.import_module(prefix_hits.COORDINATOR_MODULE)) is None
+
+
+def test_another_lookup_shape_wraps_nothing(core_module, monkeypatch):
+    coordinators = importlib.import_module(prefix_hits.COORDINATOR_MODULE)
+    monkeypatch.setattr(prefix_hits, "COORDINATOR_LOOKUP_MAY_READ", frozenset({"single_type_managers"}))
+    assert not engine_core.INSTRUMENTOR.instrument(core_module)
+    assert (
+        "UnitaryKVCacheCoordinator.find_longest_cache_hit reads"
+        in engine_core.INSTRUMENTOR.report()["problem"]
+    )
+    assert not isinstance(core_module.get_request_block_hasher, wrapt.FunctionWrapper)
+    cls = coordinators.UnitaryKVCacheCoordinator
+    assert not isinstance(cls.__dict__["find_longest_cache_hit"], wrapt.FunctionWrapper)
+
+
+def _engine_built(core, config):
+    """What EngineCore.__init__ does around its scheduler: ``_initialize_kv_caches(config)`` (here
+    without an executor: vLLM's method stops at once, after the wrapper), then the scheduler's KV
+    cache manager."""
+    engine = object.__new__(core.EngineCore)
+    with pytest.raises(AttributeError):
+        engine._initialize_kv_caches(config)
+    return manager(256)
+
+
+def test_the_engine_cores_coordinator_reuses_hits_when_on(core_module, model_dirs, clean_selection, hasher):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from mla_prefill_ext.testing import vllm_host as host
+
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    assert engine_core.INSTRUMENTOR.instrument(core_module)
+    config = host.make_vllm_config(model_dirs["plain"])
+    kv = _engine_built(core_module, config)
+    core_module.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
+    assert isinstance(getattr(kv.coordinator, HITS_ATTR, None), PrefixHits)
+    plain = manager(256)
+    prompt = list(range(40 * BLOCK))
+    for i in range(3):
+        req = request(prompt + [i], hasher, f"e{i}")
+        got, want = kv.get_computed_blocks(req), plain.get_computed_blocks(req)
+        assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
+        for m, (blocks, n) in ((kv, got), (plain, want)):
+            m.allocate_slots(req, req.num_tokens - n, n, blocks)
+    report = engine_core.INSTRUMENTOR.report()
+    assert (report["looked_up_hits"], report["reused_hits"]) == (40, 40)
+
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    off = _engine_built(core_module, config)
+    core_module.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
+    assert getattr(off.coordinator, HITS_ATTR, None) is None
+    # A coordinator made outside an engine core's build is left alone.
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX")
+    assert getattr(manager(64).coordinator, HITS_ATTR, None) is None
+
+    engine_core.INSTRUMENTOR.uninstrument(core_module)
+    cls = importlib.import_module(prefix_hits.COORDINATOR_MODULE).UnitaryKVCacheCoordinator
+    assert not isinstance(cls.__dict__["find_longest_cache_hit"], wrapt.FunctionWrapper)
+    assert not isinstance(cls.__dict__["__init__"], wrapt.FunctionWrapper)
