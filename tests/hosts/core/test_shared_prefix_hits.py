@@ -139,8 +139,8 @@ def test_sixteen_requests_over_one_prefix_look_it_up_once(hasher):
     kv = manager(4096)
     plain = manager(4096)
     hits = with_hits(kv)
-    prefix = list(range(1, 2048 * BLOCK // 16 + 1))  # 128 blocks
-    warm = request(prefix + [7], hasher, "warm")
+    prefix = list(range(1, 128 * BLOCK + 1))  # 128 blocks
+    warm = request([*prefix, 7], hasher, "warm")
     for m in (kv, plain):
         computed, n = m.get_computed_blocks(warm)
         m.allocate_slots(warm, warm.num_tokens - n, n, computed)
@@ -223,7 +223,7 @@ def test_the_engine_cores_coordinator_reuses_hits_when_on(core_module, model_dir
     plain = manager(256)
     prompt = list(range(40 * BLOCK))
     for i in range(3):
-        req = request(prompt + [i], hasher, f"e{i}")
+        req = request([*prompt, i], hasher, f"e{i}")
         got, want = kv.get_computed_blocks(req), plain.get_computed_blocks(req)
         assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
         for m, (blocks, n) in ((kv, got), (plain, want)):

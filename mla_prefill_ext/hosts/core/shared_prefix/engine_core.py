@@ -1,4 +1,4 @@
-"""The engine core's part of the shared-prefix path: a shared prefix's block hashes and cache lookup done once.
+"""The engine core's part of the shared-prefix path: a shared prefix's block hashes and lookup done once.
 
 Two wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
 in vLLM 0.20.2, 0.25.1 and 0.33.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
