@@ -55,18 +55,20 @@ def lookup_problem(coordinator: Any) -> str | None:
     managers = getattr(coordinator, "single_type_managers", ())
     if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
         return "the KV cache is not one full-attention group"
-    if not getattr(coordinator, "enable_caching", False):
+    pool = getattr(coordinator, "block_pool", None)
+    # The pool's flag: 0.33's coordinator no longer keeps its own copy.
+    if not getattr(pool, "enable_caching", False):
         return "prefix caching is off"
     drop = getattr(coordinator, "drop_eagle_group_ids", getattr(coordinator, "eagle_group_ids", None))
     if drop is None or drop:
         return "EAGLE's last block is dropped from every hit (not served yet)"
     if getattr(coordinator, "dcp_world_size", 1) != 1 or getattr(coordinator, "pcp_world_size", 1) != 1:
         return "context parallelism is on (not served yet)"
-    if getattr(coordinator, "num_hash_lookahead_tokens", 0):
+    if getattr(coordinator, "num_hash_lookahead_tokens", 0) or getattr(pool, "num_hash_lookahead_tokens", 0):
         return "the hashes look ahead for speculative decoding (not served yet)"
     block_size = getattr(coordinator, "block_size", None)
     spec_size = getattr(getattr(coordinator, "kv_cache_spec", None), "block_size", None)
-    hash_size = getattr(getattr(coordinator, "block_pool", None), "hash_block_size", block_size)
+    hash_size = getattr(pool, "hash_block_size", block_size)
     if block_size is None or not block_size == spec_size == hash_size:
         return f"blocks of {spec_size} tokens are hashed by {hash_size} (not served yet)"
     return None
