@@ -24,8 +24,9 @@ NOSHARE = "noshare"
 
 @dataclass(frozen=True)
 class SideSpec:
-    """One engine of the run: ``stock`` (the add-on disabled) or a backend, with the shared-prefix
-    path as the add-on sets it (default) or turned off (``NAME:noshare``)."""
+    """One engine of the run: ``stock`` (the add-on disabled; ``stock:2`` another such lifetime) or
+    a backend, with the shared-prefix path as the add-on sets it (default) or turned off
+    (``NAME:noshare``)."""
 
     label: str
     backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
@@ -37,7 +38,10 @@ class SideSpec:
 
 
 def parse_sides(text: str) -> list[SideSpec]:
-    """``stock,FLASH_ATTN,FLASH_ATTN:noshare`` -> the run's engines, in that order."""
+    """``stock,FLASH_ATTN,FLASH_ATTN:noshare`` -> the run's engines, in that order.
+
+    ``stock:2`` is a second stock engine: its ratio to ``stock`` is what two lifetimes of the same
+    engine differ by in this run (a control for the other sides' ratios)."""
     sides: list[SideSpec] = []
     for raw in text.split(","):
         label = raw.strip()
@@ -45,9 +49,12 @@ def parse_sides(text: str) -> list[SideSpec]:
         if not name:
             raise ValueError(f"empty side in {text!r}")
         if name.lower() == "stock":
-            if mode:
-                raise ValueError(f"side {label!r}: stock runs none of the add-on, it has no {mode!r}")
-            side = SideSpec("stock", "stock")
+            if mode and not (mode.isdigit() and int(mode) >= 2):
+                raise ValueError(
+                    f"side {label!r}: stock runs none of the add-on, it has no {mode!r} "
+                    "(stock:2, stock:3, ...: another stock lifetime, the noise floor of a paired ratio)"
+                )
+            side = SideSpec(f"stock:{int(mode)}" if mode else "stock", "stock")
         elif not mode:
             side = SideSpec(name.upper(), name.upper())
         elif mode.lower() == NOSHARE:

@@ -50,10 +50,21 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
     assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
 
 
+def test_a_second_stock_lifetime_is_a_side_of_its_own():
+    sides = parse_sides("stock,stock:2,FLASH_ATTN")
+    assert [(s.label, s.backend, s.extra_env) for s in sides] == [
+        ("stock", "stock", {}),
+        ("stock:2", "stock", {}),
+        ("FLASH_ATTN", "FLASH_ATTN", {}),
+    ]
+
+
 @pytest.mark.parametrize(
     "text, error",
     [
         ("stock:noshare", "stock runs none of the add-on"),
+        ("stock:1", "stock runs none of the add-on"),
+        ("stock,stock:2,STOCK:2", "listed twice"),
         ("FLASH_ATTN:nosharing", "unknown mode 'nosharing'"),
         ("stock,FLASH_ATTN,flash_attn", "listed twice"),
         ("stock,,FLASH_ATTN", "empty side"),
