@@ -1,12 +1,13 @@
 """Where a ``generate`` call of requests over a cached prefix spends its time, on a GPU, by function.
 
     python -m scripts.bench prefix_fixed_cost [--requests 16] [--prefix 32768]
-        [--new 1] [--reps 5] [--eager] [--top 40] [--gpu-mem 0.5] [--json out.json]
+        [--new 1] [--reps 5] [--eager] [--top 40] [--gpu-mem 0.5] [--side stock|NAME] [--kernels]
+        [--json out.json]
 
 The engine benchmark (``shared_prefix_engine``) finds that 16 requests over a cached 32k prefix cost
 about 0.17 s per call more than 16 fresh prompts even with one new token each, on stock vLLM and the
-add-on alike. This run attributes that time, on stock vLLM (the add-on disabled: in one process the
-driver's switch would be the engine's too). One engine (the R1 slice, dummy weights, prefix caching
+add-on alike. This run attributes that time, on stock vLLM by default (the add-on disabled) or on the
+add-on (``--side``). One engine (the R1 slice, dummy weights, prefix caching
 on, ``max_num_batched_tokens=8192``), with vLLM's engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that one profiler sees the driver's input processing, the
 core's request creation and block hashing, the scheduler, the model runner and the waits on the GPU.
@@ -16,6 +17,11 @@ tokens alone). Per case: ``--reps`` timed calls (``time.perf_counter`` around ``
 one untimed), then one call under ``cProfile``; printed and in the JSON: the timed seconds, the
 profiled call's total, its ``--top`` functions by own time, and the cumulative time of the functions
 named in ``WATCH`` (what the request's path through vLLM is known to do per token or per block).
+
+``--side FLASH_ATTN`` (any backend name) runs the add-on instead, its shared-prefix path as set (the
+engine core in this process: the switches are this process's, set before vLLM loads its plugins);
+``--kernels`` profiles one more call per case with ``torch.profiler`` and lists the CUDA kernels by
+total time, next to that call's wall time (how much of it the GPU was busy, and with what).
 
 The profiler slows Python code several times over, more than the GPU's waits; the profiled shares
 point at where the time goes, the timed calls (without it) say how much there is. In-process is not
@@ -75,8 +81,21 @@ def make_parser():
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=40960)
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
+    parser.add_argument("--side", default="stock", help="stock, or the add-on with this backend")
+    parser.add_argument("--kernels", action="store_true", help="one more call per case under torch.profiler")
     parser.add_argument("--json", help="write the results here")
     return parser
+
+
+def kernel_rows(events: Any, top: int) -> tuple[float, list[dict[str, Any]]]:
+    """(total CUDA kernel seconds, the ``top`` kernels by total time) of ``torch.profiler``'s averages."""
+    rows = []
+    for e in events:
+        seconds = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e6
+        if seconds > 0:
+            rows.append({"kernel": e.key[:120], "calls": e.count, "seconds": seconds})
+    rows.sort(key=lambda r: r["seconds"], reverse=True)
+    return sum(r["seconds"] for r in rows), rows[:top]
 
 
 def profile_rows(stats: pstats.Stats, top: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -103,10 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     engine.prepare_driver()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees it all
+    if args.side != "stock":  # the engine core is this process: the add-on's switches stay set here
+        os.environ.update(engine.side_env(args.side))
+        os.environ.pop("MLA_PREFILL_EXT_DISABLE", None)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm, info = engine.start_engine("stock", args, enable_prefix_caching=True)
+    llm, info = engine.start_engine(args.side, args, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     prefix = common.seeded_tokens("prefix-fixed-cost/prefix", args.prefix, vocab)
     llm.generate([TokensPrompt(prompt_token_ids=prefix)], params, use_tqdm=False)  # cached from here on
@@ -139,6 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         profiled = time.perf_counter() - t
         stats = pstats.Stats(profiler, stream=io.StringIO())
         by_own, watched = profile_rows(stats, args.top)
+        kernels = None
+        if args.kernels:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            batch = prompts(case, args.reps + 2)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                llm.generate(batch, params, use_tqdm=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            busy, rows = kernel_rows(prof.key_averages(), args.top)
+            kernels = {"wall_s": wall, "kernel_s": busy, "top": rows}
         results[case] = {
             "seconds": seconds,
             "median_s": statistics.median(seconds),
@@ -146,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "profiled_s": profiled,
             "top_by_own_time": by_own,
             "watched_cumulative_s": watched,
+            "kernels": kernels,
         }
         print(
             f"{case}: {args.requests} x ({args.prefix if case == 'shared' else 0} cached + {args.new} new): "
@@ -160,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "  watched (cumulative s): " + ", ".join(f"{k} {v:.4f}" for k, v in watched.items()), flush=True
         )
+        if kernels is not None:
+            print(
+                f"  kernels (torch.profiler call, {kernels['wall_s']:.3f} s wall): CUDA kernels "
+                f"{kernels['kernel_s']:.4f} s in all",
+                flush=True,
+            )
+            for r in kernels["top"][:20]:
+                print(f"    {r['seconds']:.4f} s  x{r['calls']:<6} {r['kernel']}")
     common.write_json(
         args.json, common.record(args={**vars(args), "model": str(args.model)}, engine=info, **results)
     )

@@ -278,3 +278,20 @@ def test_prefix_fixed_cost_attributes_a_profile_to_the_watched_functions():
     assert watched["schedule"] >= watched["hash_block_tokens"] > 0
     assert watched["tolist"] > 0
     assert watched["execute_model"] == 0.0
+
+
+def test_prefix_fixed_cost_lists_kernels_by_device_time():
+    from types import SimpleNamespace
+
+    from scripts.bench import prefix_fixed_cost
+
+    events = [  # as torch.profiler's key_averages() gives them (device times in microseconds)
+        SimpleNamespace(key="aten::mm", count=3, self_device_time_total=0.0),  # a CPU op: no kernel time
+        SimpleNamespace(key="flash_fwd_kernel", count=61, self_device_time_total=30_000.0),
+        SimpleNamespace(key="gemm", count=122, self_device_time_total=50_000.0),
+    ]
+    total, rows = prefix_fixed_cost.kernel_rows(events, top=1)
+    assert total == pytest.approx(0.08)
+    assert rows == [{"kernel": "gemm", "calls": 122, "seconds": pytest.approx(0.05)}]
+    parsed = prefix_fixed_cost.make_parser().parse_args(["--side", "FLASH_ATTN", "--kernels"])
+    assert (parsed.side, parsed.kernels) == ("FLASH_ATTN", True)
