@@ -91,7 +91,8 @@ def kernel_rows(events: Any, top: int) -> tuple[float, list[dict[str, Any]]]:
     """(total CUDA kernel seconds, the ``top`` kernels by total time) of ``torch.profiler``'s averages."""
     rows = []
     for e in events:
-        seconds = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e6
+        field = "self_device_time_total" if hasattr(e, "self_device_time_total") else "self_cuda_time_total"
+        seconds = getattr(e, field, 0.0) / 1e6  # kernels, memcpy and memset alike: device time
         if seconds > 0:
             rows.append({"kernel": e.key[:120], "calls": e.count, "seconds": seconds})
     rows.sort(key=lambda r: r["seconds"], reverse=True)

@@ -244,3 +244,40 @@ def test_the_engine_cores_coordinator_reuses_hits_when_on(core_module, model_dir
     cls = importlib.import_module(prefix_hits.COORDINATOR_MODULE).UnitaryKVCacheCoordinator
     assert not isinstance(cls.__dict__["find_longest_cache_hit"], wrapt.FunctionWrapper)
     assert not isinstance(cls.__dict__["__init__"], wrapt.FunctionWrapper)
+
+
+def test_a_memo_found_stale_gives_way_to_the_new_lookup(hasher):
+    """After a cache reset the remembered prefix is stale: the next lookup replaces that memo (no
+    duplicate left to win later lookups), and the prefix, cached again, is lent again."""
+    kv = manager(4096)
+    hits = with_hits(kv)
+    prefix = list(range(1, 64 * BLOCK + 1))
+
+    def serve(rid):
+        req = request([*prefix, 7, rid], hasher, f"s{rid}")
+        computed, n = kv.get_computed_blocks(req)[:2]
+        kv.allocate_slots(req, req.num_tokens - n, n, computed)
+        kv.free(req)
+        return n
+
+    assert serve(0) == 0 and serve(1) == 64 * BLOCK
+    assert kv.reset_prefix_cache()
+    assert serve(2) == 0  # stale: nothing lent, vLLM finds nothing either (and caches it again)
+    reused = hits.reused_hits
+    assert serve(3) == 64 * BLOCK  # vLLM's lookup: the memo checked stale is not consulted again
+    assert len(hits._memos) == 1, "the stale memo stayed beside the new lookup's"
+    assert serve(4) == 64 * BLOCK
+    assert hits.reused_hits == reused + 64  # lent from serve(3)'s lookup
+
+
+def test_a_coordinator_noted_for_an_engine_that_never_makes_its_hasher_is_not_pinned():
+    import gc
+
+    kv = manager(64)
+    prefix_hits.collect(True)
+    prefix_hits.note_coordinator(lambda: None, kv.coordinator, (), {})
+    ref = __import__("weakref").ref(kv.coordinator)
+    del kv
+    gc.collect()
+    assert ref() is None
+    assert prefix_hits.attach(True) == []  # the engine it was noted for is gone: nothing attached

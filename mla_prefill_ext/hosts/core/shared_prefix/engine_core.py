@@ -223,7 +223,7 @@ class EngineCoreInstrumentor(Instrumentor):
         """Wrapped or why not; the blocks the latest hasher reused and hashed, and the cache hits the
         latest coordinator reused and looked up, in this process."""
         latest = HASHERS[-1] if HASHERS else None
-        hits = prefix_hits.LATEST[-1] if prefix_hits.LATEST else None
+        hits = prefix_hits.latest()
         return {
             "instrumented": self.is_instrumented(),
             "problem": self.state().skipped_reason,

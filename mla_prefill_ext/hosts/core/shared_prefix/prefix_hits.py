@@ -13,15 +13,20 @@ full-attention group without EAGLE's dropped block or context parallelism (:func
 vLLM's lookup walks the hashes from the first and takes, for each, the first block the pool maps
 it to, stopping at the first miss; so the lookup of ``hashes`` is the lookup of ``hashes[:k]``
 followed by that of ``hashes[k:]``. A block the pool returned for a hash stays the first block for
-it until the pool removes it, and every removal (eviction, ``reset_prefix_cache``) resets the
-block's hash; re-caching sets a new hash object. So a remembered block is still what vLLM would
-return while its ``_block_hash`` is the very object it held when it was found (an identity test).
+it until the pool removes it, and every removal (eviction, ``evict_blocks``, ``reset_prefix_cache``)
+resets the block's hash; caching a block packs its hash with the group id into a new object
+(``make_block_hash_with_group_id``). So a remembered block is still what vLLM would return while its
+``_block_hash`` is the very object it held when it was found (an identity test). (0.33's
+``BlockPool.move_block_hashes`` moves a hash object between blocks for Mamba groups only, which
+:func:`lookup_problem` excludes.) A lookup that finds a remembered block no longer cached replaces
+that memo with its own.
 """
 
 from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
@@ -98,7 +103,10 @@ class PrefixHits:
             at, k = self._longest(block_hashes, limit)
             memo = self._memos[at] if k else None
             if memo is not None:
-                k = self._still_cached(memo, k)
+                valid = self._still_cached(memo, k)
+                if valid < k:  # evicted or re-cached since: the memo gives way to this lookup's
+                    del self._memos[at]
+                    at, k = -1, valid
             if not k:
                 result = lookup(block_hashes, max_cache_hit_length)
             else:
@@ -111,7 +119,7 @@ class PrefixHits:
             if hit:
                 keys = memo.keys[:k] if k else []
                 keys.extend(map(_slot_of, hit[k:]))
-                self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys), at if k else -1)
+                self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys), at)
         return result
 
     def _longest(self, block_hashes: list[Any], limit: int) -> tuple[int, int]:
@@ -218,7 +226,10 @@ def coordinator_problem(module: Any) -> str | None:
     manager = getattr(single_type_kv_cache_manager, "FullAttentionManager", None)
     reads = _names(getattr(manager, "find_longest_cache_hit", None))
     if MANAGER_LOOKUP_MUST_READ - reads or reads - MANAGER_LOOKUP_MAY_READ:
-        return f"FullAttentionManager.find_longest_cache_hit reads {sorted(reads - MANAGER_LOOKUP_MAY_READ)}"
+        return (
+            f"FullAttentionManager.find_longest_cache_hit reads {sorted(reads - MANAGER_LOOKUP_MAY_READ)}"
+            f" and not {sorted(MANAGER_LOOKUP_MUST_READ - reads)}"
+        )
     pool = getattr(block_pool, "BlockPool", None)
     if _names(getattr(pool, "get_cached_block", None)) != POOL_LOOKUP_READS:
         return "BlockPool.get_cached_block has another shape"
@@ -244,8 +255,8 @@ def note_coordinator(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any
     """``UnitaryKVCacheCoordinator.__init__``: the coordinator noted for its engine core's decision."""
     result = wrapped(*args, **kwargs)
     pending = getattr(_LOCAL, "pending", None)
-    if pending is not None:
-        pending.append(instance)
+    if pending is not None:  # weakly: an engine core that never makes its hasher does not pin it
+        pending.append(weakref.ref(instance))
     return result
 
 
@@ -254,18 +265,27 @@ def attach(on: bool) -> list[str]:
     why those that cannot do not (empty: none). Stops noting."""
     pending, _LOCAL.pending = getattr(_LOCAL, "pending", None) or [], None
     problems = []
-    for coordinator in pending:
+    for ref in pending:
+        coordinator = ref()
+        if coordinator is None:
+            continue
         problem = lookup_problem(coordinator) if on else None
         if problem is not None:
             problems.append(problem)
         elif on:
             setattr(coordinator, HITS_ATTR, PrefixHits(int(coordinator.block_size)))
-            LATEST.append(getattr(coordinator, HITS_ATTR))
+            LATEST.append(weakref.ref(getattr(coordinator, HITS_ATTR)))
             del LATEST[:-4]
     return problems
 
 
-LATEST: list[PrefixHits] = []  # the latest engines' hits, for reports and tests
+LATEST: list[weakref.ref[PrefixHits]] = []  # the latest engines' hits (weakly: their blocks are the
+# pool's), for reports and tests
+
+
+def latest() -> PrefixHits | None:
+    """The hits of the latest engine core in this process that reuses them and is still alive."""
+    return LATEST[-1]() if LATEST else None
 
 
 def find_longest_cache_hit(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
