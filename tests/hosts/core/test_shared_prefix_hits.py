@@ -272,11 +272,12 @@ def test_a_memo_found_stale_gives_way_to_the_new_lookup(hasher):
 
 def test_a_coordinator_noted_for_an_engine_that_never_makes_its_hasher_is_not_pinned():
     import gc
+    import weakref
 
     kv = manager(64)
     prefix_hits.collect(True)
     prefix_hits.note_coordinator(lambda: None, kv.coordinator, (), {})
-    ref = __import__("weakref").ref(kv.coordinator)
+    ref = weakref.ref(kv.coordinator)
     del kv
     gc.collect()
     assert ref() is None

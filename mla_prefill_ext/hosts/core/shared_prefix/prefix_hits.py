@@ -69,7 +69,7 @@ def lookup_problem(coordinator: Any) -> str | None:
         return "EAGLE's last block is dropped from every hit (not served yet)"
     if getattr(coordinator, "dcp_world_size", 1) != 1 or getattr(coordinator, "pcp_world_size", 1) != 1:
         return "context parallelism is on (not served yet)"
-    if getattr(coordinator, "num_hash_lookahead_tokens", 0) or getattr(pool, "num_hash_lookahead_tokens", 0):
+    if getattr(pool, "num_hash_lookahead_tokens", 0):  # 0.33's pool holds it; no coordinator does
         return "the hashes look ahead for speculative decoding (not served yet)"
     block_size = getattr(coordinator, "block_size", None)
     spec_size = getattr(getattr(coordinator, "kv_cache_spec", None), "block_size", None)
