@@ -137,17 +137,26 @@ def path_counters(llm: Any) -> dict[str, int] | None:
     reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
         return None
-    counters = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
+    counters: dict[str, Any] = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
     for counter, key in (("blocks_reused", "reused_blocks"), ("hits_reused", "reused_hits")):
         counters[counter] = sum(int((w.get("prefix_hashes") or {}).get(key, 0)) for w in workers)
+    # The first worker's recent steps, (requests, tokens, routed) each: every worker runs every step.
+    counters["first_worker_steps"] = int(reports[0].get("steps", 0))
+    counters["shapes"] = [tuple(s) for s in reports[0].get("step_shapes", [])]
     return counters
 
 
-def counter_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
-    """What one timed call added to each counter (None where the side has no path)."""
+def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What one timed call added to each counter (None where the side has no path), and ``shapes``:
+    its steps' (requests, scheduled tokens, routed), oldest first, when the workers keep them
+    (their ring holds the last 256 steps; a call of more steps keeps its last 256)."""
     if before is None or after is None:
         return None
-    return {k: after[k] - before[k] for k in COUNTERS}
+    delta: dict[str, Any] = {k: after[k] - before[k] for k in COUNTERS}
+    took = after.get("first_worker_steps", 0) - before.get("first_worker_steps", 0)
+    shapes = after.get("shapes", [])
+    delta["shapes"] = [list(s) for s in shapes[len(shapes) - min(took, len(shapes)) :]]
+    return delta
 
 
 def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -159,6 +168,14 @@ def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     for (side, requests, prompt_len), rs in groups.items():
         cells = ", ".join(f"{k} {[r[k] for r in rs]}" for k in COUNTERS)
         lines.append(f"{side} {requests} x {prompt_len} tokens: {cells}")
+        if any(r.get("shapes") for r in rs):  # requests/tokens per step of each call, "r" if routed
+            calls = (
+                "["
+                + " ".join(f"{q}/{t}{'r' if routed else ''}" for q, t, routed in r.get("shapes", []))
+                + "]"
+                for r in rs
+            )
+            lines.append(f"  steps as requests/tokens: {' '.join(calls)}")
     return lines
 
 

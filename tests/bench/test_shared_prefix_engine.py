@@ -331,6 +331,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps_with_segments": 2,
         "blocks_reused": 30720,
         "hits_reused": 30720,
+        "shapes": [],
     }
     assert bench.counter_delta(None, after) is None  # stock: no path to count
     records = [
@@ -359,6 +360,22 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
         "blocks_reused [30720, 32768], hits_reused [30720, 30720]"
     ]
+
+
+def test_a_calls_step_shapes_are_its_own_steps_of_the_first_worker():
+    # Two workers (TP=2): the summed counters count each step twice; the shapes are worker 0's ring.
+    zero = dict.fromkeys(("steps_routed", "steps_with_segments", "blocks_reused", "hits_reused"), 0)
+    before = {**zero, "steps": 20, "first_worker_steps": 10, "shapes": [(1, 129, False)] * 10}
+    ring = [(1, 129, False)] * 10 + [(1, 128, False), (15, 1920, True), (0, 0, False)]
+    after = {**zero, "steps": 26, "first_worker_steps": 13, "shapes": ring}
+    delta = bench.counter_delta(before, after)
+    assert delta["steps"] == 6
+    assert delta["shapes"] == [[1, 128, False], [15, 1920, True], [0, 0, False]]
+    record = {"side": "FLASH_ATTN", "requests": 16, "prompt_len": 32896, **delta}
+    assert bench.path_steps_lines([record])[1] == "  steps as requests/tokens: [1/128 15/1920r 0/0]"
+    # A call longer than the ring keeps the ring's steps, the call's last.
+    long_after = {**after, "first_worker_steps": 400, "shapes": ring}
+    assert len(bench.counter_delta(before, long_after)["shapes"]) == len(ring)
 
 
 def test_memory_lines_say_the_peak_beyond_the_kv_cache():

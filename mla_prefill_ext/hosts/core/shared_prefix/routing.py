@@ -25,6 +25,7 @@ predicted by FLOPs; 1.02x by time).
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -54,6 +55,9 @@ _FLOPS_PER_US = {part: tflops * 1e6 for part, tflops in H200_TFLOPS.items()}  # 
 
 ROUTED = [0]  # steps whose short extends were routed here, in this process (evidence for benchmarks)
 STEPS = [0]  # steps the runner reordered (every scheduled step), in this process
+SHAPES: collections.deque[tuple[int, int, bool]] = collections.deque(maxlen=256)
+"""The last steps' (requests, scheduled tokens, routed), this process's: how a benchmark's call was
+split into steps (requests that reach an engine apart run in separate steps, each its own forward)."""
 _LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
 _USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
 
@@ -130,15 +134,18 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     """``GPUModelRunner._may_reorder_batch(scheduler_output)``: this step's threshold decided first."""
     _LOCAL.threshold = None
     STEPS[0] += 1
+    scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
+    scheduled = scheduler_output.num_scheduled_tokens
+    SHAPES.append((len(scheduled), scheduler_output.total_num_scheduled_tokens, False))
     threshold = instance.reorder_batch_threshold
     if threshold is None or threshold <= 1 or not _routing_on(instance):
         return wrapped(*args, **kwargs)
-    scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
-    lowered = step_threshold(instance.input_batch, scheduler_output.num_scheduled_tokens, threshold)
+    lowered = step_threshold(instance.input_batch, scheduled, threshold)
     if lowered is None:
         return wrapped(*args, **kwargs)
     _LOCAL.threshold = lowered
     ROUTED[0] += 1
+    SHAPES[-1] = (*SHAPES[-1][:2], True)
     if ROUTED[0] == 1:
         logger.info(
             "MLA shared-prefix prefill (mla-prefill-ext): a step's short extends that share a cached "
