@@ -32,6 +32,8 @@ DISABLE_ENV = "MLA_PREFILL_EXT_DISABLE"
 ENV_VARS = (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)
 SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"
 SHARED_PREFIX_KEY = "mla_prefill_shared_prefix"
+GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"
+GATHER_DEFAULT_MS = 25.0
 
 ADDITIONAL_CONFIG_KEY = "mla_prefill_backend"
 STAMP_KEY = "mla_prefill_ext"
@@ -111,6 +113,22 @@ def shared_prefix_setting(additional_config: Any = None) -> tuple[bool, str]:
     if word in _TRUE or word in _FALSE:
         return word in _TRUE, source
     raise ValueError(f"{source}={value!r} is not a switch: use 1/true/on or 0/false/off")
+
+
+def gather_window_ms() -> tuple[float, str]:
+    """How long an idle engine core may keep taking requests over a shared prefix before its first
+    step, in ms, and where that was said (:data:`GATHER_ENV`; ``0`` turns the gathering off).
+    A value that is not a number from 0 to 1000 raises, naming the variable."""
+    raw = os.environ.get(GATHER_ENV)
+    if raw is None or not raw.strip():
+        return GATHER_DEFAULT_MS, "the default"
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 <= ms <= 1000.0:
+        raise ValueError(f"{GATHER_ENV}={raw!r} is not a window in ms: use a number from 0 (off) to 1000")
+    return ms, GATHER_ENV
 
 
 def is_disabled() -> bool:

@@ -51,6 +51,7 @@ MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
 SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
 SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"  # the shared-prefix path: "0" turns it off
+GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"  # its engine core's gathering of a burst: "0" off
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -101,6 +102,7 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
         "package": getattr(package, "__file__", None),
         # The shared-prefix path's switch as this worker sees it (None: unset, the default).
         "shared_prefix_env": os.environ.get(SHARED_PREFIX_ENV),
+        "gather_env": os.environ.get(GATHER_ENV),
         # The path's state and its counters (steps with shared segments, steps routed) so far.
         "shared_prefix": path.INSTRUMENTOR.report() if path is not None else None,
         # The engine core's block-hash reuse, where the engine core shares this worker's process (one GPU).

@@ -481,7 +481,8 @@ class KVTimer:
         self.ms: dict[str, float] = {}
         kvm = scheduler.kv_cache_manager
         for method in (m for methods in KV_METHODS.values() for m in methods):
-            setattr(kvm, method, self._timed(getattr(kvm, method), f"kv_{method}"))
+            if hasattr(kvm, method):  # can_fit_full_sequence: vLLM 0.20 only (its row stays empty elsewhere)
+                setattr(kvm, method, self._timed(getattr(kvm, method), f"kv_{method}"))
 
     def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:

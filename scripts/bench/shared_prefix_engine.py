@@ -8,10 +8,12 @@
 Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
 checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
 (``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
-``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``). Each engine's workers report what
-owns their MLA prefill and the shared-prefix switch they see; the run stops if a side is not what it
-claims to be. Prefix caching on, the 61-layer R1 slice (``scripts/bench/models/r1_tp8_slice``, one GPU
-of TP=8, dummy weights), torch.compile + CUDA graphs unless ``--eager``.
+``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:nogather`` (the path on,
+its engine core's gathering of a burst off: ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``). Each engine's
+workers report what owns their MLA prefill and the shared-prefix switches they see; the run stops if a
+side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
+(``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
+unless ``--eager``.
 
 Scenarios (points BxN: B requests, N fresh prompt tokens each):
   shared   one cached prefix of P tokens (each of ``--prefix-lens``) shared by B requests, ``--points``
@@ -124,7 +126,8 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
 
 
 PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' shared_prefix reports
-COUNTERS = (*PATH_COUNTERS, "blocks_reused", "hits_reused")  # and the engine core's prefix_hashes report
+# and the engine core's prefix_hashes report
+COUNTERS = (*PATH_COUNTERS, "blocks_reused", "hits_reused", "gathered")
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
@@ -132,13 +135,19 @@ def path_counters(llm: Any) -> dict[str, int] | None:
 
     ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing;
     ``hits_reused``: prefix-cache hits its scheduler took from an earlier lookup instead of looking
-    the blocks up (both read where the engine core runs in the worker's process, as on one GPU; else 0)."""
+    the blocks up; ``gathered``: requests an idle engine core took into its first step by waiting for
+    a burst over a shared prefix (all three read where the engine core runs in the worker's process,
+    as on one GPU; else 0)."""
     workers = llm.collective_rpc(engine.prefill_owners)
     reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
         return None
     counters: dict[str, Any] = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
-    for counter, key in (("blocks_reused", "reused_blocks"), ("hits_reused", "reused_hits")):
+    for counter, key in (
+        ("blocks_reused", "reused_blocks"),
+        ("hits_reused", "reused_hits"),
+        ("gathered", "gathered"),
+    ):
         counters[counter] = sum(int((w.get("prefix_hashes") or {}).get(key, 0)) for w in workers)
     # The first worker's recent steps, (requests, tokens, routed) each: every worker runs every step.
     counters["first_worker_steps"] = int(reports[0].get("steps", 0))
@@ -195,21 +204,23 @@ def memory_lines(memory: dict[str, list[dict[str, int]]]) -> list[str]:
 
 
 def check_switch(side: SideSpec, info: dict[str, Any]) -> None:
-    """Every worker of the side's engine sees the shared-prefix switch the side sets (or none)."""
-    wanted = side.extra_env.get(SHARED_PREFIX_ENV)
-    for report in info["workers"]:
-        if report.get("shared_prefix_env") != wanted:
-            raise SystemExit(
-                f"side {side.label}: a worker sees {SHARED_PREFIX_ENV}={report.get('shared_prefix_env')!r}, "
-                f"the side sets {wanted!r}"
-            )
+    """Every worker of the side's engine sees the shared-prefix switches the side sets (or none)."""
+    for name, key in ((SHARED_PREFIX_ENV, "shared_prefix_env"), (engine.GATHER_ENV, "gather_env")):
+        wanted = side.extra_env.get(name)
+        for report in info["workers"]:
+            if report.get(key) != wanted:
+                raise SystemExit(
+                    f"side {side.label}: a worker sees {name}={report.get(key)!r}, the side sets {wanted!r}"
+                )
 
 
 def make_parser():
     parser = common.parser(__doc__)
     parser.add_argument("--model", type=Path, default=engine.MODEL_DIR, help="model folder (config.json)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
-    parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, NAME, NAME:noshare (comma-separated)")
+    parser.add_argument(
+        "--sides", default=DEFAULT_SIDES, help="stock, NAME, NAME:noshare, NAME:nogather (comma-separated)"
+    )
     parser.add_argument("--baseline", default="stock", help="the side the ratios divide by")
     parser.add_argument(
         "--scenarios", default="shared,private,fresh,decode", help="which of shared,private,fresh,decode"
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args.trees = {}  # engine.start_engine's other code trees: none here
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
 
-    engine.prepare_driver(extra_cleared=(SHARED_PREFIX_ENV,))
+    engine.prepare_driver(extra_cleared=(SHARED_PREFIX_ENV, engine.GATHER_ENV))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

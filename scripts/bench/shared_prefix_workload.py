@@ -16,17 +16,18 @@ import functools
 from dataclasses import dataclass
 
 from .common import seeded_tokens
-from .engine import SHARED_PREFIX_ENV
+from .engine import GATHER_ENV, SHARED_PREFIX_ENV
 
 SCENARIOS = ("shared", "private", "fresh", "decode")
 NOSHARE = "noshare"
+NOGATHER = "nogather"
 
 
 @dataclass(frozen=True)
 class SideSpec:
     """One engine of the run: ``stock`` (the add-on disabled; ``stock:2`` another such lifetime) or
-    a backend, with the shared-prefix path as the add-on sets it (default) or turned off
-    (``NAME:noshare``)."""
+    a backend, with the shared-prefix path as the add-on sets it (default), turned off
+    (``NAME:noshare``) or on without the engine core's gathering of a burst (``NAME:nogather``)."""
 
     label: str
     backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
@@ -59,8 +60,12 @@ def parse_sides(text: str) -> list[SideSpec]:
             side = SideSpec(name.upper(), name.upper())
         elif mode.lower() == NOSHARE:
             side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
+        elif mode.lower() == NOGATHER:
+            side = SideSpec(f"{name.upper()}:{NOGATHER}", name.upper(), ((GATHER_ENV, "0"),))
         else:
-            raise ValueError(f"side {label!r}: unknown mode {mode!r} (NAME or NAME:{NOSHARE})")
+            raise ValueError(
+                f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE} or NAME:{NOGATHER})"
+            )
         if any(s.label == side.label for s in sides):
             raise ValueError(f"side {side.label!r} listed twice")
         sides.append(side)

@@ -50,6 +50,15 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
     assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
 
 
+def test_a_side_without_the_engine_cores_gathering():
+    (side,) = parse_sides("flash_attn:nogather")
+    assert (side.label, side.backend, side.extra_env) == (
+        "FLASH_ATTN:nogather",
+        "FLASH_ATTN",
+        {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "0"},
+    )
+
+
 def test_a_second_stock_lifetime_is_a_side_of_its_own():
     sides = parse_sides("stock,stock:2,FLASH_ATTN")
     assert [(s.label, s.backend, s.extra_env) for s in sides] == [
@@ -318,12 +327,14 @@ def test_the_markdown_table_shows_seconds_and_ratios_with_their_range():
 
 def test_the_paths_counters_per_timed_call_and_their_summary():
     before = {"steps": 10, "steps_routed": 2, "steps_with_segments": 3, "blocks_reused": 0, "hits_reused": 7}
+    before["gathered"] = 4
     after = {
         "steps": 12,
         "steps_routed": 3,
         "steps_with_segments": 5,
         "blocks_reused": 30720,
         "hits_reused": 30727,
+        "gathered": 19,
     }
     assert bench.counter_delta(before, after) == {
         "steps": 2,
@@ -331,6 +342,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps_with_segments": 2,
         "blocks_reused": 30720,
         "hits_reused": 30720,
+        "gathered": 15,
         "shapes": [],
     }
     assert bench.counter_delta(None, after) is None  # stock: no path to count
@@ -344,6 +356,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps_with_segments": 1,
             "blocks_reused": 30720,
             "hits_reused": 30720,
+            "gathered": 15,
         },
         {
             "side": "FLASH_ATTN",
@@ -354,17 +367,20 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "steps_with_segments": 1,
             "blocks_reused": 32768,
             "hits_reused": 30720,
+            "gathered": 0,
         },
     ]
     assert bench.path_steps_lines(records) == [
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
-        "blocks_reused [30720, 32768], hits_reused [30720, 30720]"
+        "blocks_reused [30720, 32768], hits_reused [30720, 30720], gathered [15, 0]"
     ]
 
 
 def test_a_calls_step_shapes_are_its_own_steps_of_the_first_worker():
     # Two workers (TP=2): the summed counters count each step twice; the shapes are worker 0's ring.
-    zero = dict.fromkeys(("steps_routed", "steps_with_segments", "blocks_reused", "hits_reused"), 0)
+    zero = dict.fromkeys(
+        ("steps_routed", "steps_with_segments", "blocks_reused", "hits_reused", "gathered"), 0
+    )
     before = {**zero, "steps": 20, "first_worker_steps": 10, "shapes": [(1, 129, False)] * 10}
     ring = [(1, 129, False)] * 10 + [(1, 128, False), (15, 1920, True), (0, 0, False)]
     after = {**zero, "steps": 26, "first_worker_steps": 13, "shapes": ring}

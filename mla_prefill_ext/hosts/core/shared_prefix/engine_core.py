@@ -1,6 +1,7 @@
-"""The engine core's part of the shared-prefix path: a shared prefix's block hashes and lookup done once.
+"""The engine core's part of the shared-prefix path: a shared prefix's block hashes and lookup done once,
+and a burst of requests over it started in one step.
 
-Two wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
+Three wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
 in vLLM 0.20.2, 0.25.1 and 0.33.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
 ``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
 loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
@@ -9,8 +10,9 @@ engine's configuration; the module's binding of ``get_request_block_hasher`` the
 says so, one INFO line per process and decision. ``UnitaryKVCacheCoordinator.__init__`` notes the
 coordinators the engine core's scheduler makes in between, and with the same decision each that can
 serve it gets a :class:`~.prefix_hits.PrefixHits`, which its ``find_longest_cache_hit`` then goes
-through. When a module has another shape nothing is wrapped and one INFO line says why: vLLM hashes
-and looks up every request's blocks as it always does.
+through. ``EngineCoreProc._process_input_queue`` gathers a burst over a shared prefix that reaches an
+idle engine core (:mod:`.arrivals`). When a module has another shape nothing is wrapped and one INFO
+line says why: vLLM hashes and looks up every request's blocks and steps at its first request.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
-from mla_prefill_ext.hosts.core.shared_prefix import prefix_hits, switch
+from mla_prefill_ext.hosts.core.shared_prefix import arrivals, prefix_hits, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
@@ -128,6 +130,28 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
         source_reads = set(_code_names(getattr(kv_cache_utils, name, None)))
         if not source_reads or source_reads - may_read:
             return f"vLLM's {name} reads {sorted(source_reads - may_read) or 'nothing known'}"
+    return arrival_problem(core_module)
+
+
+# What the gathering (:mod:`.arrivals`) reads and calls on vLLM's engine core process.
+PROC_METHODS = ("_process_input_queue", "has_work", "is_running", "_handle_client_request")
+INPUT_QUEUE_READS = frozenset({"input_queue", "has_work", "_handle_client_request"})
+
+
+def arrival_problem(core_module: ModuleType) -> str | None:
+    """Why vLLM's engine core process has not the shape the gathering was written for (None: it has)."""
+    proc = getattr(core_module, "EngineCoreProc", None)
+    if proc is None or "_process_input_queue" not in proc.__dict__:
+        return f"{core_module.__name__}.{arrivals.TARGET} is not defined there"
+    missing = [name for name in PROC_METHODS if not callable(getattr(proc, name, None))]
+    if missing:
+        return f"EngineCoreProc has no {', '.join(missing)}"
+    unread = INPUT_QUEUE_READS - set(_code_names(proc.__dict__["_process_input_queue"]))
+    if unread:
+        return f"{arrivals.TARGET} no longer reads {sorted(unread)}"
+    init_names = set(_code_names(core_module.EngineCore.__init__))
+    if not {"request_block_hasher", "vllm_config", "scheduler"} <= init_names:
+        return "EngineCore.__init__ no longer keeps request_block_hasher, vllm_config and scheduler"
     return None
 
 
@@ -183,7 +207,7 @@ HASHERS: list[ReusingHasher] = []
 
 
 class EngineCoreInstrumentor(Instrumentor):
-    """The two wrappers over ``vllm.v1.engine.core``, all or none (the core's :class:`Instrumentor`)."""
+    """The three wrappers over ``vllm.v1.engine.core``, all or none (the core's :class:`Instrumentor`)."""
 
     def check(self, module: ModuleType) -> str | None:
         try:
@@ -194,7 +218,11 @@ class EngineCoreInstrumentor(Instrumentor):
             return f"its shape could not be read ({type(e).__name__}: {e})"
 
     def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
-        return [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
+        return [
+            (KV_INIT, note_engine_config),
+            (FACTORY, make_hasher),
+            (arrivals.TARGET, arrivals.process_input_queue),
+        ]
 
     def complete(self, module: ModuleType) -> str | None:
         """The coordinator's two wrappers, with the engine core's or not at all."""
@@ -231,6 +259,8 @@ class EngineCoreInstrumentor(Instrumentor):
             "hashed_blocks": latest.hashed_blocks if latest else 0,
             "reused_hits": hits.reused_hits if hits else 0,
             "looked_up_hits": hits.looked_up if hits else 0,
+            "gathers": arrivals.GATHERS[0],
+            "gathered": arrivals.GATHERS[1],
         }
 
 

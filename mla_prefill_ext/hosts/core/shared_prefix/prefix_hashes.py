@@ -19,6 +19,7 @@ does). Any other request is hashed by vLLM alone and never lends its hashes.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +85,8 @@ class ReusingHasher:
         self._lock = threading.Lock()
         self.reused_blocks = 0
         self.hashed_blocks = 0
+        # The latest requests that took a recent request's hashes: (request id, tokens shared).
+        self.sharing: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
 
     def __call__(self, request: Any) -> list[Any]:
         if request.block_hashes or not is_plain(request):
@@ -113,6 +116,8 @@ class ReusingHasher:
                 hashes = reused + rest
             self.reused_blocks += len(reused)
             self.hashed_blocks += len(hashes) - len(reused)
+            if reused:
+                self.sharing.append((getattr(request, "request_id", None), len(reused) * self.block_size))
             self._remember(tokens, hashes[:full], at, k)
         return hashes
 

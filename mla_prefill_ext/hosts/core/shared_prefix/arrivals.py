@@ -1,0 +1,127 @@
+"""Requests over a shared prefix that reach an idle engine core together start in one step.
+
+vLLM's engine core (``EngineCoreProc``, the engine core in its own process, as ``LLM`` and the server
+run it) steps as soon as the first request reaches it while idle; the rest of a burst lands during
+that step and runs in the next. On the H200, 16 requests over a cached 32k prefix sent by one
+``LLM.generate`` ran as two forward passes in every call (1 + 15, 2 + 14, 5 + 11, ... requests;
+docs/results/h200-2026-12-04-shared-prefix-steps): each forward costs its fixed part again (about
+45 ms eager), and the shared segment is worked once per step, so twice, or the small part takes the
+absorbed path alone. With the engine core in the driver's process the same call is one step and
+took 0.181 s against 0.27-0.33 s.
+
+So, where the path is on: when the engine core was idle and the requests it just took include one
+whose leading blocks equal a recent request's for at least :data:`MIN_SHARED_TOKENS` (the block-hash
+reuse found them, :mod:`.prefix_hashes`), it keeps taking requests from its input queue while they
+keep coming, each within :data:`QUIET_S` of the last, for at most the window
+(``MLA_PREFILL_SHARED_PREFIX_GATHER_MS``, default 25 ms; 0 turns it off), then steps. A running
+engine takes new requests at its step boundaries as vLLM does; a request that shares nothing, or
+reaches an engine that is busy, is never held. The cost: a lone request over a shared prefix reaching
+an idle engine starts :data:`QUIET_S` later. Not with data parallelism (engines step together there).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
+from mla_prefill_ext.settings import gather_window_ms
+
+TARGET = "EngineCoreProc._process_input_queue"
+QUIET_S = 0.003
+"""A burst ends when no request arrives for this long (the engine core's input thread decodes and
+hashes one 32k-token request in about a millisecond)."""
+MIN_SHARED_TOKENS = 2048
+"""Leading tokens a request must share with a recent one for an idle engine core to wait for more."""
+
+GATHERS = [0, 0]  # gatherings in this process, requests (and other client calls) they took
+
+
+def decide(vllm_config: Any) -> tuple[float, str]:
+    """(window in seconds, why): 0 where the engine core does not gather. Raises ValueError on an
+    invalid window or switch (the engine stops, naming it)."""
+    decision = switch.decide(vllm_config)
+    if not decision.on:
+        return 0.0, f"the shared-prefix path is off: {decision.reason}"
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if (getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+        return 0.0, "data parallelism is on (its engines step together)"
+    ms, source = gather_window_ms()
+    if ms <= 0:
+        return 0.0, f"turned off by {source}"
+    return ms / 1000.0, f"up to {ms:g} ms ({source})"
+
+
+def gather(
+    take: Callable[[float], Any], handle: Callable[[Any], None], window_s: float, running: Callable[[], bool]
+) -> int:
+    """Take and handle items while each comes within :data:`QUIET_S` of the last, for at most
+    ``window_s``; how many were taken. ``take(timeout)`` raises ``queue.Empty`` when none came."""
+    deadline = time.monotonic() + window_s
+    taken = 0
+    while running():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            item = take(min(QUIET_S, left))
+        except queue.Empty:
+            break
+        handle(item)
+        taken += 1
+    return taken
+
+
+def shares_a_prefix(hasher: Any, request_ids: Any) -> bool:
+    """Whether one of ``request_ids`` took at least :data:`MIN_SHARED_TOKENS` of a recent request's
+    block hashes (only the add-on's hasher knows; vLLM's own: never)."""
+    if not isinstance(hasher, ReusingHasher):
+        return False
+    return any(tokens >= MIN_SHARED_TOKENS and rid in request_ids for rid, tokens in tuple(hasher.sharing))
+
+
+def _window(instance: Any) -> float:
+    window = instance.__dict__.get("_mla_gather_s")
+    if window is None:
+        try:
+            window, reason = decide(instance.vllm_config)
+        except ValueError as e:
+            raise RuntimeError(f"mla-prefill-ext: {e}") from None
+        log_once(
+            logging.INFO,
+            ("shared-prefix-gather", window, reason),
+            "MLA shared-prefix prefill (mla-prefill-ext): an idle engine core %s (%s).",
+            "takes a burst of requests over a shared prefix into one step"
+            if window
+            else "steps at its first request as vLLM does",
+            reason,
+        )
+        instance._mla_gather_s = window
+    return window
+
+
+def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``EngineCoreProc._process_input_queue()``: vLLM's wait for work; from idle, a burst over a
+    shared prefix gathered after it."""
+    if instance.has_work():  # busy: new requests join at step boundaries, as in vLLM
+        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if not instance.is_running() or not _window(instance):
+        return result
+    if not shares_a_prefix(getattr(instance, "request_block_hasher", None), instance.scheduler.requests):
+        return result
+    requests = instance.input_queue
+    taken = gather(
+        lambda timeout: requests.get(timeout=timeout),
+        lambda item: instance._handle_client_request(*item),
+        instance._mla_gather_s,
+        instance.is_running,
+    )
+    GATHERS[0] += 1
+    GATHERS[1] += taken
+    return result

@@ -1,0 +1,235 @@
+"""An idle engine core gathers a burst of requests over a shared prefix into one step (arrivals.py).
+
+The loop's timing with a real queue and a producer thread; the decision with vLLM's real configuration;
+the wrapper on vLLM's real ``EngineCoreProc._process_input_queue``, ``_handle_client_request`` and
+scheduler (an engine core process without its executor and sockets: only what those read is set).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import pytest
+
+from mla_prefill_ext.hosts.core.shared_prefix import arrivals, engine_core
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
+
+BLOCK = 16
+
+
+def _producer(q: queue.Queue, items: list, gaps_s: list[float]) -> threading.Thread:
+    def run():
+        for item, gap in zip(items, gaps_s, strict=True):
+            time.sleep(gap)
+            q.put(item)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _gather(q: queue.Queue, window_s: float) -> tuple[list, float]:
+    got: list = []
+    t = time.monotonic()
+    arrivals.gather(lambda timeout: q.get(timeout=timeout), got.append, window_s, lambda: True)
+    return got, time.monotonic() - t
+
+
+def test_a_burst_is_taken_while_it_keeps_coming():
+    q: queue.Queue = queue.Queue()
+    _producer(q, list(range(10)), [0.0005] * 10).join()  # all there before the gathering
+    got, took = _gather(q, 0.5)
+    assert got == list(range(10))
+    assert took < 0.1  # it ended one quiet gap after the last, not at the window
+
+
+def test_a_gap_longer_than_the_quiet_one_ends_it():
+    q: queue.Queue = queue.Queue()
+    producer = _producer(q, [1, 2, 3, 4], [0.0, 0.0, 0.0, 10 * arrivals.QUIET_S])
+    time.sleep(0.002)
+    got, _ = _gather(q, 0.5)
+    producer.join()
+    assert got == [1, 2, 3]  # the fourth came after the burst ended: the next step's
+
+
+def test_a_stream_that_never_pauses_is_cut_at_the_window():
+    q: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def stream():
+        while not stop.is_set():
+            q.put(0)
+            time.sleep(0.0005)
+
+    threading.Thread(target=stream, daemon=True).start()
+    got, took = _gather(q, 0.03)
+    stop.set()
+    assert got and 0.03 <= took < 0.03 + 3 * arrivals.QUIET_S
+
+
+@pytest.fixture
+def core_config(clean_selection):
+    """The R1 slice's configuration and vLLM's real scheduler for it (block size 16, prefix caching)."""
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", raising=False)
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the path serves (0.33: V2 default)
+    from scripts.bench.prefix_host_cost import Engine
+
+    engine = Engine(BLOCK)
+    assert engine.scheduler is not None, engine.missing
+    return engine.config, engine.scheduler
+
+
+def test_the_window_is_on_with_the_path_and_says_why_not(core_config, clean_selection):
+    config, _ = core_config
+    assert arrivals.decide(config) == (0.025, "up to 25 ms (the default)")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "5")
+    assert arrivals.decide(config) == (0.005, "up to 5 ms (MLA_PREFILL_SHARED_PREFIX_GATHER_MS)")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "0")
+    assert arrivals.decide(config) == (0.0, "turned off by MLA_PREFILL_SHARED_PREFIX_GATHER_MS")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
+    with pytest.raises(ValueError, match="MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon' is not a window"):
+        arrivals.decide(config)
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
+    window, reason = arrivals.decide(config)
+    assert window == 0.0 and reason.startswith("the shared-prefix path is off: turned off by")
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX")
+    config.parallel_config.data_parallel_size = 2
+    try:
+        assert arrivals.decide(config) == (0.0, "data parallelism is on (its engines step together)")
+    finally:
+        config.parallel_config.data_parallel_size = 1
+
+
+def _hasher():
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    factory = getattr(kv_cache_utils.get_request_block_hasher, "__wrapped__", None)
+    factory = factory or kv_cache_utils.get_request_block_hasher
+    return ReusingHasher(factory(BLOCK, hash_fn), BLOCK)
+
+
+def _request(tokens: list[int], hasher) -> object:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=f"r{random.random()}",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+
+
+def test_only_requests_that_took_a_long_shared_prefix_count():
+    hasher = _hasher()
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000) for _ in range(arrivals.MIN_SHARED_TOKENS)]
+    donor = _request(prefix + [1] * BLOCK, hasher)
+    sharing = _request(prefix + [2] * BLOCK, hasher)
+    short = _request(prefix[: arrivals.MIN_SHARED_TOKENS - BLOCK] + [3] * BLOCK, hasher)
+    assert not arrivals.shares_a_prefix(hasher, {donor.request_id: donor})  # it took nothing
+    assert arrivals.shares_a_prefix(hasher, {sharing.request_id: sharing})
+    assert not arrivals.shares_a_prefix(hasher, {short.request_id: short})  # below the minimum
+    assert not arrivals.shares_a_prefix(hasher.inner, {sharing.request_id: sharing})  # vLLM's hasher
+
+
+@pytest.fixture
+def proc_class():
+    """vLLM's ``EngineCoreProc`` with the engine core's wrappers on (and off again after)."""
+    import importlib
+
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE
+
+    core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
+    engine_core.INSTRUMENTOR.uninstrument(core)
+    assert engine_core.arrival_problem(core) is None
+    assert engine_core.INSTRUMENTOR.instrument(core), engine_core.INSTRUMENTOR.report()["problem"]
+    yield core
+    engine_core.INSTRUMENTOR.uninstrument(core)
+
+
+def _idle_proc(core, config, scheduler, hasher):
+    """An idle engine core process as ``EngineCoreProc.__init__`` leaves it, minus executor and sockets."""
+    proc = object.__new__(core.EngineCoreProc)
+    proc.vllm_config = config
+    proc.scheduler = scheduler
+    proc.request_block_hasher = hasher
+    proc.engines_running = False
+    proc.batch_queue = None
+    proc.shutdown_state = core.EngineShutdownState.RUNNING
+    proc.input_queue = queue.Queue()
+    proc.aborts_queue = queue.Queue()
+    proc.process_input_queue_block = True
+    proc._idle_state_callbacks = []
+    return proc
+
+
+def _burst(core, proc, requests, gap_s):
+    from vllm.v1.engine import EngineCoreRequestType
+
+    items = [(EngineCoreRequestType.ADD, (r, 0)) for r in requests]
+    return _producer(proc.input_queue, items, [0.0] + [gap_s] * (len(items) - 1))
+
+
+@pytest.mark.parametrize("window_ms", ["25", "0"])
+def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
+    proc_class, core_config, clean_selection, window_ms
+):
+    config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", window_ms)
+    hasher = _hasher()
+    rng = random.Random(1)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [0] * BLOCK, hasher)  # an earlier request over the prefix (the hashes' donor)
+    burst = [_request(prefix + [i + 1] * BLOCK, hasher) for i in range(8)]
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    gathers = arrivals.GATHERS[0]
+    producer = _burst(proc_class, proc, burst, 0.001)
+    proc._process_input_queue()  # vLLM's wait for work, as its busy loop calls it
+    producer.join()
+    taken = len(scheduler.requests)
+    if window_ms == "0":  # vLLM's behaviour: the step starts with what had arrived (the first)
+        assert taken < len(burst) and arrivals.GATHERS[0] == gathers
+    else:
+        assert taken == len(burst) and arrivals.GATHERS[0] == gathers + 1
+        assert set(scheduler.requests) == {r.request_id for r in burst}
+
+
+def test_a_request_sharing_nothing_is_never_held(proc_class, core_config):
+    config, scheduler = core_config
+    hasher = _hasher()
+    rng = random.Random(2)
+    lone = _request([rng.randrange(1000) for _ in range(4096)], hasher)
+    late = _request([rng.randrange(1000) for _ in range(64)], hasher)
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    gathers = arrivals.GATHERS[0]
+    producer = _burst(proc_class, proc, [lone, late], 0.001)
+    proc._process_input_queue()
+    producer.join()
+    assert list(scheduler.requests) == [lone.request_id] and arrivals.GATHERS[0] == gathers
+
+
+def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_config):
+    config, scheduler = core_config
+    hasher = _hasher()
+    rng = random.Random(3)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [9] * BLOCK, hasher)  # the hashes' donor
+    running = _request(prefix + [0] * BLOCK, hasher)  # it shares the prefix, and it is running:
+    scheduler.add_request(running)  # the engine has work, nothing to gather for
+    later = [_request(prefix + [i + 1] * BLOCK, hasher) for i in range(4)]
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    gathers = arrivals.GATHERS[0]
+    producer = _burst(proc_class, proc, later, 0.001)
+    proc._process_input_queue()
+    producer.join()
+    assert arrivals.GATHERS[0] == gathers and len(scheduler.requests) < 1 + len(later)
