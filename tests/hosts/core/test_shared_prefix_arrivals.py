@@ -71,16 +71,18 @@ def test_a_stream_that_never_pauses_is_cut_at_the_window():
 
 
 @pytest.fixture
-def core_config(clean_selection):
-    """The R1 slice's configuration and vLLM's real scheduler for it (block size 16, prefix caching)."""
+def core_config(model_dirs, clean_selection):
+    """An MLA model's configuration (prefix caching on) and vLLM's real scheduler for it."""
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", raising=False)
     clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the path serves (0.33: V2 default)
-    from scripts.bench.prefix_host_cost import Engine
+    from vllm_scheduler_objects import scheduler
 
-    engine = Engine(BLOCK)
-    assert engine.scheduler is not None, engine.missing
-    return engine.config, engine.scheduler
+    from mla_prefill_ext.testing import vllm_host as host
+
+    config = host.make_vllm_config(model_dirs["yarn"])
+    config.cache_config.enable_prefix_caching = True
+    return config, scheduler(config, num_blocks=4096, block_size=BLOCK)
 
 
 def test_the_window_is_on_with_the_path_and_says_why_not(core_config, clean_selection):
@@ -170,6 +172,7 @@ def _idle_proc(core, config, scheduler, hasher):
     proc.aborts_queue = queue.Queue()
     proc.process_input_queue_block = True
     proc._idle_state_callbacks = []
+    proc.reject_new_requests = False  # vLLM 0.33: not paused
     return proc
 
 
