@@ -8,8 +8,9 @@
 Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
 checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
 (``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
-``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:nogather`` (the path on,
-its engine core's gathering of a burst off: ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``). Each engine's
+``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:gather`` (the path on, its
+engine core's gathering of a burst opted in: ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=25``) and
+``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``, the default since 2026-12-04). Each engine's
 workers report what owns their MLA prefill and the shared-prefix switches they see; the run stops if a
 side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
 (``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
@@ -219,7 +220,9 @@ def make_parser():
     parser.add_argument("--model", type=Path, default=engine.MODEL_DIR, help="model folder (config.json)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
     parser.add_argument(
-        "--sides", default=DEFAULT_SIDES, help="stock, NAME, NAME:noshare, NAME:nogather (comma-separated)"
+        "--sides",
+        default=DEFAULT_SIDES,
+        help="stock, NAME, NAME:noshare, NAME:gather, NAME:nogather (comma-separated)",
     )
     parser.add_argument("--baseline", default="stock", help="the side the ratios divide by")
     parser.add_argument(

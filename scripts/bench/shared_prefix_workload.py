@@ -21,13 +21,16 @@ from .engine import GATHER_ENV, SHARED_PREFIX_ENV
 SCENARIOS = ("shared", "private", "fresh", "decode")
 NOSHARE = "noshare"
 NOGATHER = "nogather"
+GATHER = "gather"
+GATHER_MS = "25"  # the window a NAME:gather side opts in to
 
 
 @dataclass(frozen=True)
 class SideSpec:
     """One engine of the run: ``stock`` (the add-on disabled; ``stock:2`` another such lifetime) or
     a backend, with the shared-prefix path as the add-on sets it (default), turned off
-    (``NAME:noshare``) or on without the engine core's gathering of a burst (``NAME:nogather``)."""
+    (``NAME:noshare``), with the engine core's gathering of a burst opted in (``NAME:gather``, 25 ms)
+    or explicitly off (``NAME:nogather``)."""
 
     label: str
     backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
@@ -60,11 +63,13 @@ def parse_sides(text: str) -> list[SideSpec]:
             side = SideSpec(name.upper(), name.upper())
         elif mode.lower() == NOSHARE:
             side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
-        elif mode.lower() == NOGATHER:
-            side = SideSpec(f"{name.upper()}:{NOGATHER}", name.upper(), ((GATHER_ENV, "0"),))
+        elif mode.lower() in (GATHER, NOGATHER):
+            window = GATHER_MS if mode.lower() == GATHER else "0"
+            side = SideSpec(f"{name.upper()}:{mode.lower()}", name.upper(), ((GATHER_ENV, window),))
         else:
             raise ValueError(
-                f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE} or NAME:{NOGATHER})"
+                f"side {label!r}: unknown mode {mode!r} "
+                f"(NAME, NAME:{NOSHARE}, NAME:{GATHER} or NAME:{NOGATHER})"
             )
         if any(s.label == side.label for s in sides):
             raise ValueError(f"side {side.label!r} listed twice")

@@ -50,13 +50,12 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
     assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
 
 
-def test_a_side_without_the_engine_cores_gathering():
-    (side,) = parse_sides("flash_attn:nogather")
-    assert (side.label, side.backend, side.extra_env) == (
-        "FLASH_ATTN:nogather",
-        "FLASH_ATTN",
-        {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "0"},
-    )
+def test_sides_with_and_without_the_engine_cores_gathering():
+    sides = parse_sides("flash_attn:nogather,FLASH_ATTN:Gather")
+    assert [(s.label, s.backend, s.extra_env) for s in sides] == [
+        ("FLASH_ATTN:nogather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "0"}),
+        ("FLASH_ATTN:gather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "25"}),
+    ]
 
 
 def test_a_second_stock_lifetime_is_a_side_of_its_own():

@@ -87,7 +87,9 @@ def core_config(model_dirs, clean_selection):
 
 def test_the_window_is_on_with_the_path_and_says_why_not(core_config, clean_selection):
     config, _ = core_config
-    assert arrivals.decide(config) == (0.025, "up to 25 ms (the default)")
+    assert arrivals.decide(config) == (0.0, "off by default (MLA_PREFILL_SHARED_PREFIX_GATHER_MS=25 opts in)")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "25")
+    assert arrivals.decide(config) == (0.025, "up to 25 ms (MLA_PREFILL_SHARED_PREFIX_GATHER_MS)")
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "5")
     assert arrivals.decide(config) == (0.005, "up to 5 ms (MLA_PREFILL_SHARED_PREFIX_GATHER_MS)")
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "0")
@@ -95,12 +97,12 @@ def test_the_window_is_on_with_the_path_and_says_why_not(core_config, clean_sele
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
     with pytest.raises(ValueError, match="MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon' is not a window"):
         arrivals.decide(config)
-    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS")
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "25")
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
     window, reason = arrivals.decide(config)
     assert window == 0.0 and reason.startswith("the shared-prefix path is off: turned off by")
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX")
-    config.parallel_config.data_parallel_size = 2
+    config.parallel_config.data_parallel_size = 2  # with a window set
     try:
         assert arrivals.decide(config) == (0.0, "data parallelism is on (its engines step together)")
     finally:
@@ -183,12 +185,13 @@ def _burst(core, proc, requests, gap_s):
     return _producer(proc.input_queue, items, [0.0] + [gap_s] * (len(items) - 1))
 
 
-@pytest.mark.parametrize("window_ms", ["25", "0"])
+@pytest.mark.parametrize("window_ms", ["25", "0", None])
 def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     proc_class, core_config, clean_selection, window_ms
 ):
     config, scheduler = core_config
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", window_ms)
+    if window_ms is not None:  # None: the default (off)
+        clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", window_ms)
     hasher = _hasher()
     rng = random.Random(1)
     prefix = [rng.randrange(1000) for _ in range(4096)]
@@ -200,15 +203,16 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     proc._process_input_queue()  # vLLM's wait for work, as its busy loop calls it
     producer.join()
     taken = len(scheduler.requests)
-    if window_ms == "0":  # vLLM's behaviour: the step starts with what had arrived (the first)
+    if window_ms != "25":  # vLLM's behaviour: the step starts with what had arrived (the first)
         assert taken < len(burst) and arrivals.GATHERS[0] == gathers
     else:
         assert taken == len(burst) and arrivals.GATHERS[0] == gathers + 1
         assert set(scheduler.requests) == {r.request_id for r in burst}
 
 
-def test_a_request_sharing_nothing_is_never_held(proc_class, core_config):
+def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, clean_selection):
     config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "25")  # opted in
     hasher = _hasher()
     rng = random.Random(2)
     lone = _request([rng.randrange(1000) for _ in range(4096)], hasher)
@@ -221,8 +225,9 @@ def test_a_request_sharing_nothing_is_never_held(proc_class, core_config):
     assert list(scheduler.requests) == [lone.request_id] and arrivals.GATHERS[0] == gathers
 
 
-def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_config):
+def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_config, clean_selection):
     config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "25")  # opted in
     hasher = _hasher()
     rng = random.Random(3)
     prefix = [rng.randrange(1000) for _ in range(4096)]

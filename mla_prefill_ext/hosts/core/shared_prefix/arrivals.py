@@ -1,22 +1,29 @@
-"""Requests over a shared prefix that reach an idle engine core together start in one step.
+"""Requests over a shared prefix that reach an idle engine core together, started in one step (opt-in).
 
 vLLM's engine core (``EngineCoreProc``, the engine core in its own process, as ``LLM`` and the server
 run it) steps as soon as the first request reaches it while idle; the rest of a burst lands during
 that step and runs in the next. On the H200, 16 requests over a cached 32k prefix sent by one
-``LLM.generate`` ran as two forward passes in every call (1 + 15, 2 + 14, 5 + 11, ... requests;
-docs/results/h200-2026-12-04-shared-prefix-steps): each forward costs its fixed part again (about
-45 ms eager), and the shared segment is worked once per step, so twice, or the small part takes the
-absorbed path alone. With the engine core in the driver's process the same call is one step and
-took 0.181 s against 0.27-0.33 s.
+``LLM.generate`` ran as two forward passes in nearly every call (1 + 15, 2 + 14, 5 + 11, ...
+requests; docs/results/h200-2026-12-04-shared-prefix-steps): each forward costs its fixed part
+again, and the shared segment is worked once per step, so twice, or the small part takes the absorbed
+path alone. With the engine core in the driver's process the same call is one step and took 0.181 s
+against 0.27-0.33 s.
 
-So, where the path is on: when the engine core was idle and the requests it just took include one
-whose leading blocks equal a recent request's for at least :data:`MIN_SHARED_TOKENS` (the block-hash
-reuse found them, :mod:`.prefix_hashes`), it keeps taking requests from its input queue while they
-keep coming, each within :data:`QUIET_S` of the last, for at most the window
-(``MLA_PREFILL_SHARED_PREFIX_GATHER_MS``, default 25 ms; 0 turns it off), then steps. A running
-engine takes new requests at its step boundaries as vLLM does; a request that shares nothing, or
-reaches an engine that is busy, is never held. The cost: a lone request over a shared prefix reaching
-an idle engine starts :data:`QUIET_S` later. Not with data parallelism (engines step together there).
+With ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS`` set above 0 (and the path on): when the engine core was
+idle and the requests it just took include one whose leading blocks equal a recent request's for at
+least :data:`MIN_SHARED_TOKENS` (the block-hash reuse found them, :mod:`.prefix_hashes`), it keeps
+taking requests from its input queue while they keep coming, each within :data:`QUIET_S` of the
+last, for at most that many ms, then steps. A running engine takes new requests at its step
+boundaries as vLLM does; a request that shares nothing, or reaches a busy engine, is never held; a
+lone request over a shared prefix reaching an idle engine starts :data:`QUIET_S` later. Not with
+data parallelism (engines step together there).
+
+Off by default: on the H200 it did not make such bursts one step reliably. With 25 ms and a 3 ms quiet
+gap about half of the 16-request calls still ran as two steps, each of them then routed with its own
+segment (11 + 5: the prefix up-projected twice); a 15 ms gap split them as often and made a lone
+request's call slower. Eager, against the path without it in the same run, it gained at most shared
+points (16 x 512 2.40x stock against 2.25x, 16 x 1 2.55x against 1.80x) and nothing at 16 x 128
+(1.84x both); compiled, 16 x 128 read 1.72x against 1.99x in an earlier run without it.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
-from mla_prefill_ext.settings import gather_window_ms
+from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
 
 TARGET = "EngineCoreProc._process_input_queue"
 QUIET_S = 0.003
@@ -53,7 +60,12 @@ def decide(vllm_config: Any) -> tuple[float, str]:
         return 0.0, "data parallelism is on (its engines step together)"
     ms, source = gather_window_ms()
     if ms <= 0:
-        return 0.0, f"turned off by {source}"
+        return (
+            0.0,
+            f"turned off by {source}"
+            if source == GATHER_ENV
+            else f"off by default ({GATHER_ENV}=25 opts in)",
+        )
     return ms / 1000.0, f"up to {ms:g} ms ({source})"
 
 
