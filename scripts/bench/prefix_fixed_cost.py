@@ -88,9 +88,14 @@ def make_parser():
 
 
 def kernel_rows(events: Any, top: int) -> tuple[float, list[dict[str, Any]]]:
-    """(total CUDA kernel seconds, the ``top`` kernels by total time) of ``torch.profiler``'s averages."""
+    """(total CUDA kernel seconds, the ``top`` kernels by total time) of ``torch.profiler``'s averages.
+
+    Only device-side events (kernels, memcpy, memset) count: a CPU op also carries the device time of
+    the kernels it launched (``aten::mm`` and its GEMM kernel), which would count them twice."""
     rows = []
     for e in events:
+        if str(getattr(e, "device_type", "")).endswith("CPU"):
+            continue
         field = "self_device_time_total" if hasattr(e, "self_device_time_total") else "self_cuda_time_total"
         seconds = getattr(e, field, 0.0) / 1e6  # kernels, memcpy and memset alike: device time
         if seconds > 0:

@@ -283,12 +283,19 @@ def test_prefix_fixed_cost_attributes_a_profile_to_the_watched_functions():
 def test_prefix_fixed_cost_lists_kernels_by_device_time():
     from types import SimpleNamespace
 
+    from torch.autograd import DeviceType
+
     from scripts.bench import prefix_fixed_cost
 
     events = [  # as torch.profiler's key_averages() gives them (device times in microseconds)
-        SimpleNamespace(key="aten::mm", count=3, self_device_time_total=0.0),  # a CPU op: no kernel time
-        SimpleNamespace(key="flash_fwd_kernel", count=61, self_device_time_total=30_000.0),
-        SimpleNamespace(key="gemm", count=122, self_device_time_total=50_000.0),
+        # A CPU op carries the device time of the kernels it launched: not counted again.
+        SimpleNamespace(
+            key="aten::mm", count=122, self_device_time_total=50_000.0, device_type=DeviceType.CPU
+        ),
+        SimpleNamespace(
+            key="flash_fwd_kernel", count=61, self_device_time_total=30_000.0, device_type=DeviceType.CUDA
+        ),
+        SimpleNamespace(key="gemm", count=122, self_device_time_total=50_000.0, device_type=DeviceType.CUDA),
     ]
     total, rows = prefix_fixed_cost.kernel_rows(events, top=1)
     assert total == pytest.approx(0.08)
