@@ -46,30 +46,6 @@ def test_a_burst_is_taken_while_it_keeps_coming():
     assert took < 0.1  # it ended one quiet gap after the last, not at the window
 
 
-def test_a_gap_longer_than_the_quiet_one_ends_it():
-    q: queue.Queue = queue.Queue()
-    producer = _producer(q, [1, 2, 3, 4], [0.0, 0.0, 0.0, 10 * arrivals.QUIET_S])
-    time.sleep(0.002)
-    got, _ = _gather(q, 0.5)
-    producer.join()
-    assert got == [1, 2, 3]  # the fourth came after the burst ended: the next step's
-
-
-def test_a_stream_that_never_pauses_is_cut_at_the_window():
-    q: queue.Queue = queue.Queue()
-    stop = threading.Event()
-
-    def stream():
-        while not stop.is_set():
-            q.put(0)
-            time.sleep(0.0005)
-
-    threading.Thread(target=stream, daemon=True).start()
-    got, took = _gather(q, 0.03)
-    stop.set()
-    assert got and 0.03 <= took < 0.03 + 3 * arrivals.QUIET_S
-
-
 @pytest.fixture
 def core_config(model_dirs, clean_selection):
     """An MLA model's configuration (prefix caching on) and vLLM's real scheduler for it."""
