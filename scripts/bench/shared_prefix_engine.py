@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common, engine
+from . import arrival_trace, common, engine
 from .shared_prefix_table import Raw, cache_notes, markdown, tabulate
 from .shared_prefix_workload import (
     SHARED_PREFIX_ENV,
@@ -244,6 +244,11 @@ def make_parser():
         type=float,
         help="seconds from the start: no repetition begins that would end later (by the last one's time)",
     )
+    parser.add_argument(
+        "--trace-arrivals",
+        action="store_true",
+        help="stamp each timed call's requests (driver send, engine core queue, step) and print them",
+    )
     parser.add_argument("--json", help="write the raw results and the table here")
     return parser
 
@@ -291,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         check_switch(side, info[side.label])
     for llm in engines.values():  # the peaks reported at the end are the workload's, not the start-up's
         llm.collective_rpc(engine.reset_memory_peak)
+    traces: list[dict[str, Any]] = []  # --trace-arrivals: per timed call, its requests' stamps
+    if args.trace_arrivals:
+        for label, llm in engines.items():
+            if not all(llm.collective_rpc(arrival_trace.install_in_engine_core)):
+                raise SystemExit(f"side {label}: no engine core in its worker's process to trace")
+            arrival_trace.DriverTrace(llm)
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
@@ -303,9 +314,18 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         before = path_counters(engines[side])  # outside the timing
+        if args.trace_arrivals:  # earlier calls' stamps dropped
+            arrival_trace.take_events()
+            engines[side].collective_rpc(arrival_trace.take_events)
         t = time.perf_counter()
         outputs = engines[side].generate(batch, params, use_tqdm=False)
         took = time.perf_counter() - t
+        if args.trace_arrivals:
+            core = engines[side].collective_rpc(arrival_trace.take_events)[0]
+            trace = arrival_trace.timeline(arrival_trace.take_events(), core)
+            traces.append({"side": side, "requests": len(prompts), "prompt_len": len(prompts[0]), **trace})
+            label = f"{side} {len(prompts)} x {len(prompts[0])} ({took * 1e3:.0f} ms)"
+            print("\n".join(arrival_trace.timeline_lines(label, trace)), flush=True)
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
             path_steps.append(
@@ -362,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             "engines_after": after,
             "path_steps": path_steps,
             "memory": memory,
+            "arrival_traces": traces,
         },
     )
     return 0

@@ -229,3 +229,30 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
     producer.join()
     # The running request and at most the first of the later ones (put as the call began).
     assert arrivals.GATHERS[0] == gathers and len(scheduler.requests) <= 2
+
+
+def test_only_the_requests_the_wait_took_decide(proc_class, core_config, clean_selection, monkeypatch):
+    """A request the idle scheduler still holds (finished, its KV cache kept for a transfer) shared a
+    prefix once; a new request sharing nothing does not make the engine core wait."""
+    from vllm.v1.request import RequestStatus
+
+    config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")  # opted in
+    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
+    hasher = _hasher()
+    rng = random.Random(4)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [0] * BLOCK, hasher)  # the hashes' donor
+    kept = _request(prefix + [1] * BLOCK, hasher)  # it took the prefix's hashes
+    kept.status = RequestStatus.FINISHED_STOPPED
+    scheduler.requests[kept.request_id] = kept  # held, not running: the engine core is idle
+    lone = _request([rng.randrange(1000) for _ in range(4096)], hasher)
+    late = _request([rng.randrange(1000) for _ in range(64)], hasher)
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    assert not proc.has_work()
+    gathers = arrivals.GATHERS[0]
+    producer = _burst(proc_class, proc, [lone, late], GAP_S)
+    proc._process_input_queue()
+    producer.join()
+    assert list(scheduler.requests) == [kept.request_id, lone.request_id]
+    assert arrivals.GATHERS[0] == gathers

@@ -122,10 +122,13 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
     shared prefix gathered after it."""
     if instance.has_work():  # busy: new requests join at step boundaries, as in vLLM
         return wrapped(*args, **kwargs)
+    # Only what the wait takes counts (an idle scheduler can still hold finished requests' entries).
+    idle = set(getattr(instance.scheduler, "requests", ()))
     result = wrapped(*args, **kwargs)
     if not instance.is_running() or not _window(instance):
         return result
-    if not shares_a_prefix(getattr(instance, "request_block_hasher", None), instance.scheduler.requests):
+    new = set(getattr(instance.scheduler, "requests", ())) - idle
+    if not shares_a_prefix(getattr(instance, "request_block_hasher", None), new):
         return result
     requests = instance.input_queue
     taken = gather(

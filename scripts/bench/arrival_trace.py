@@ -1,0 +1,134 @@
+"""When each request of a timed call left the driver, reached the engine core, and which step took it.
+
+``shared_prefix_engine --trace-arrivals``: the driver stamps each request it sends to the engine core
+(``engine_core.add_request``, on the side's LLM); the engine core's process (reached through
+``collective_rpc``: on one GPU the worker shares it) stamps when its input thread began and ended a
+request's preprocessing (``EngineCoreProc.preprocess_add_request``: decode done, block hashes), when its
+busy loop took it (``_handle_client_request``), and when each step began and ended
+(``_process_engine_step``). All stamps are ``time.monotonic()`` (one clock for every process of the
+host), printed in ms from the call's first send. What it answers: whether a call splits into two steps
+because the driver sends its requests slowly, because the engine core's input thread takes long over
+each, or because of pauses in either.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+EVENTS: list[tuple[str, str | None, float]] = []  # (kind, request id or None, monotonic time)
+_LOCK = threading.Lock()
+
+
+def _stamp(kind: str, request_id: str | None) -> None:
+    with _LOCK:
+        EVENTS.append((kind, request_id, time.monotonic()))
+
+
+def install_in_engine_core(worker: Any = None) -> bool:
+    """collective_rpc target: stamps in this process's ``EngineCoreProc`` (idempotent). False where
+    no engine core runs in this process (more than one GPU: the workers are processes of their own)."""
+    import sys
+
+    core = sys.modules.get("vllm.v1.engine.core")
+    proc = getattr(core, "EngineCoreProc", None)
+    if proc is None:
+        return False
+    if getattr(proc, "_mla_arrival_trace", False):
+        return True
+    preprocess = proc.preprocess_add_request
+    handle = proc._handle_client_request
+    step = proc._process_engine_step
+
+    def traced_preprocess(self, request):
+        _stamp("ready0", request.request_id)
+        try:
+            return preprocess(self, request)
+        finally:
+            _stamp("ready1", request.request_id)
+
+    def traced_handle(self, request_type, request):
+        if isinstance(request, tuple) and request and hasattr(request[0], "request_id"):
+            _stamp("taken", request[0].request_id)
+        return handle(self, request_type, request)
+
+    def traced_step(self, *args, **kwargs):
+        _stamp("step0", None)
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            _stamp("step1", None)
+
+    proc.preprocess_add_request = traced_preprocess
+    proc._handle_client_request = traced_handle
+    proc._process_engine_step = traced_step
+    proc._mla_arrival_trace = True
+    return True
+
+
+def take_events(worker: Any = None) -> list[tuple[str, str | None, float]]:
+    """collective_rpc target: this process's stamps since the last take."""
+    with _LOCK:
+        events = list(EVENTS)
+        EVENTS.clear()
+    return events
+
+
+class DriverTrace:
+    """Stamps each ``add_request`` the driver sends through one LLM's engine-core client."""
+
+    def __init__(self, llm: Any) -> None:
+        client = llm.llm_engine.engine_core
+        send = client.add_request
+
+        def traced(request, *args, **kwargs):
+            _stamp("sent", request.request_id)
+            return send(request, *args, **kwargs)
+
+        client.add_request = traced
+
+    @staticmethod
+    def take() -> list[tuple[str, str | None, float]]:
+        return take_events()
+
+
+def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:
+    """One call's stamps in ms from its first send: per request (sent, ready0, ready1, taken) in the
+    order sent, and the steps (begin, end) that began after the first send."""
+    events = sorted([*driver, *core], key=lambda e: e[2])
+    sends = [e for e in events if e[0] == "sent"]
+    if not sends:
+        return {"requests": [], "steps": []}
+    t0 = sends[0][2]
+    per: dict[str, dict[str, float]] = {}
+    for kind, rid, t in events:
+        if rid is not None:
+            per.setdefault(rid, {})[kind] = round((t - t0) * 1e3, 2)
+    steps, begin = [], None
+    for kind, _, t in events:
+        if kind == "step0" and t >= t0:
+            begin = t
+        elif kind == "step1" and begin is not None:
+            steps.append((round((begin - t0) * 1e3, 2), round((t - t0) * 1e3, 2)))
+            begin = None
+    order = [rid for _, rid, _ in sends]
+    keys = ("sent", "ready0", "ready1", "taken")
+    return {"requests": [[per[r].get(k) for k in keys] for r in order], "steps": steps}
+
+
+def timeline_lines(label: str, trace: dict[str, Any]) -> list[str]:
+    """A call's trace as three lines: sends, arrivals in the engine core's queue, takes, steps (ms)."""
+
+    def row(i: int) -> str:
+        return " ".join("-" if r[i] is None else f"{r[i]:.1f}" for r in trace["requests"])
+
+    steps = " ".join(f"[{b:.1f}-{e:.1f}]" for b, e in trace["steps"])
+    return [
+        f"{label}: sent   {row(0)}",
+        f"  preprocess began {row(1)}",
+        f"  in the queue     {row(2)}",
+        f"  taken            {row(3)}",
+        f"  steps            {steps}",
+    ]
