@@ -22,15 +22,15 @@ SCENARIOS = ("shared", "private", "fresh", "decode")
 NOSHARE = "noshare"
 NOGATHER = "nogather"
 GATHER = "gather"
-GATHER_MS = "25"  # the window a NAME:gather side opts in to
+GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
 
 
 @dataclass(frozen=True)
 class SideSpec:
     """One engine of the run: ``stock`` (the add-on disabled; ``stock:2`` another such lifetime) or
     a backend, with the shared-prefix path as the add-on sets it (default), turned off
-    (``NAME:noshare``), with the engine core's gathering of a burst opted in (``NAME:gather``, 25 ms)
-    or explicitly off (``NAME:nogather``)."""
+    (``NAME:noshare``), with the engine core's gathering of a burst opted in (``NAME:gather``, 100 ms;
+    ``NAME:gather40``, 40 ms) or explicitly off (``NAME:nogather``)."""
 
     label: str
     backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
@@ -63,13 +63,15 @@ def parse_sides(text: str) -> list[SideSpec]:
             side = SideSpec(name.upper(), name.upper())
         elif mode.lower() == NOSHARE:
             side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
-        elif mode.lower() in (GATHER, NOGATHER):
-            window = GATHER_MS if mode.lower() == GATHER else "0"
+        elif mode.lower() == NOGATHER or (mode.lower().startswith(GATHER) and mode[len(GATHER) :].isdigit()):
+            window = "0" if mode.lower() == NOGATHER else mode[len(GATHER) :]
             side = SideSpec(f"{name.upper()}:{mode.lower()}", name.upper(), ((GATHER_ENV, window),))
+        elif mode.lower() == GATHER:
+            side = SideSpec(f"{name.upper()}:{GATHER}", name.upper(), ((GATHER_ENV, GATHER_MS),))
         else:
             raise ValueError(
                 f"side {label!r}: unknown mode {mode!r} "
-                f"(NAME, NAME:{NOSHARE}, NAME:{GATHER} or NAME:{NOGATHER})"
+                f"(NAME, NAME:{NOSHARE}, NAME:{GATHER}, NAME:{GATHER}MS or NAME:{NOGATHER})"
             )
         if any(s.label == side.label for s in sides):
             raise ValueError(f"side {side.label!r} listed twice")

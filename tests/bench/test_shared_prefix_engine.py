@@ -51,10 +51,11 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
 
 
 def test_sides_with_and_without_the_engine_cores_gathering():
-    sides = parse_sides("flash_attn:nogather,FLASH_ATTN:Gather")
+    sides = parse_sides("flash_attn:nogather,FLASH_ATTN:Gather,FLASH_ATTN:gather40")
     assert [(s.label, s.backend, s.extra_env) for s in sides] == [
         ("FLASH_ATTN:nogather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "0"}),
-        ("FLASH_ATTN:gather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "25"}),
+        ("FLASH_ATTN:gather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "100"}),
+        ("FLASH_ATTN:gather40", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "40"}),
     ]
 
 

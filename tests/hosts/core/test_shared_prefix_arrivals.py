@@ -31,19 +31,63 @@ def _producer(q: queue.Queue, items: list, gaps_s: list[float]) -> threading.Thr
     return t
 
 
-def _gather(q: queue.Queue, window_s: float) -> tuple[list, float]:
+def _gather(q: queue.Queue, window_s: float, activity: arrivals.InputActivity) -> tuple[list, float]:
     got: list = []
     t = time.monotonic()
-    arrivals.gather(lambda timeout: q.get(timeout=timeout), got.append, window_s, lambda: True)
+    arrivals.gather(
+        lambda timeout: q.get(timeout=timeout), got.append, window_s, lambda: True, activity.idle_s
+    )
     return got, time.monotonic() - t
 
 
 def test_a_burst_is_taken_while_it_keeps_coming():
     q: queue.Queue = queue.Queue()
     _producer(q, list(range(10)), [0.0005] * 10).join()  # all there before the gathering
-    got, took = _gather(q, 0.5)
+    got, took = _gather(q, 0.5, arrivals.InputActivity())
     assert got == list(range(10))
-    assert took < 0.1  # it ended one quiet gap after the last, not at the window
+    assert took < 0.1  # it ended when the queue was empty and the input thread quiet, not at the window
+
+
+def _input_thread(
+    q: queue.Queue, activity: arrivals.InputActivity, n: int, busy_s: float
+) -> threading.Thread:
+    """Like vLLM's input thread over a burst already sent: each request preprocessed for ``busy_s``
+    (stamped as the wrapper stamps it), then queued."""
+
+    def run():
+        for i in range(n):
+            activity.began()
+            time.sleep(busy_s)
+            activity.ended()
+            q.put(i)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_quiet_gap_is_timed_from_the_input_thread(monkeypatch):
+    """Items far apart (each preprocessed longer than the quiet gap) are one burst while the input
+    thread is at work on the next; once it is quiet with nothing queued, the gathering ends."""
+    monkeypatch.setattr(arrivals, "QUIET_S", 0.05)
+    q: queue.Queue = queue.Queue()
+    activity = arrivals.InputActivity()
+    q.put("first")  # taken by vLLM's own wait; the input thread goes on with the rest
+    thread = _input_thread(q, activity, 3, 0.15)
+    got, took = _gather(q, 5.0, activity)
+    thread.join()
+    assert got == ["first", 0, 1, 2]
+    assert took < 2.0  # ended one quiet gap after the last, far from the window
+
+
+def test_the_window_bounds_a_burst_that_keeps_coming(monkeypatch):
+    monkeypatch.setattr(arrivals, "QUIET_S", 0.05)
+    q: queue.Queue = queue.Queue()
+    activity = arrivals.InputActivity()
+    thread = _input_thread(q, activity, 20, 0.1)  # 2 s of requests
+    got, took = _gather(q, 0.35, activity)
+    thread.join()
+    assert 1 <= len(got) <= 5 and took < 1.0
 
 
 @pytest.fixture
@@ -151,14 +195,39 @@ def _idle_proc(core, config, scheduler, hasher):
     proc.process_input_queue_block = True
     proc._idle_state_callbacks = []
     proc.reject_new_requests = False  # vLLM 0.33: not paused
+    proc.mm_receiver_cache = None
     return proc
 
 
-def _burst(core, proc, requests, gap_s):
-    from vllm.v1.engine import EngineCoreRequestType
+def _burst(proc, prompts, gap_s):
+    """vLLM's input thread over a burst: each prompt (``gap_s`` apart) decoded as an
+    ``EngineCoreRequest``, preprocessed by the engine core's own (wrapped) ``preprocess_add_request``
+    and queued; the request ids, in order."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
 
-    items = [(EngineCoreRequestType.ADD, (r, 0)) for r in requests]
-    return _producer(proc.input_queue, items, [0.0] + [gap_s] * (len(items) - 1))
+    ids = [f"burst{random.random()}" for _ in prompts]
+
+    def run():
+        for i, (rid, tokens) in enumerate(zip(ids, prompts, strict=True)):
+            if i:
+                time.sleep(gap_s)
+            request = EngineCoreRequest(
+                request_id=rid,
+                prompt_token_ids=list(tokens),
+                mm_features=None,
+                sampling_params=SamplingParams(max_tokens=1),
+                pooling_params=None,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            )
+            proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, ids
 
 
 GAP_S = (
@@ -179,10 +248,10 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     rng = random.Random(1)
     prefix = [rng.randrange(1000) for _ in range(4096)]
     _request(prefix + [0] * BLOCK, hasher)  # an earlier request over the prefix (the hashes' donor)
-    burst = [_request(prefix + [i + 1] * BLOCK, hasher) for i in range(8)]
+    burst = [prefix + [i + 1] * BLOCK for i in range(8)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    producer = _burst(proc_class, proc, burst, GAP_S)
+    producer, ids = _burst(proc, burst, GAP_S)
     proc._process_input_queue()  # vLLM's wait for work, as its busy loop calls it
     producer.join()
     taken = len(scheduler.requests)
@@ -190,7 +259,7 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
         assert taken == 1 and arrivals.GATHERS[0] == gathers
     else:
         assert taken == len(burst) and arrivals.GATHERS[0] == gathers + 1
-        assert set(scheduler.requests) == {r.request_id for r in burst}
+        assert set(scheduler.requests) == set(ids)
 
 
 def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, clean_selection, monkeypatch):
@@ -199,14 +268,14 @@ def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, clean_
     monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
     hasher = _hasher()
     rng = random.Random(2)
-    lone = _request([rng.randrange(1000) for _ in range(4096)], hasher)
-    late = _request([rng.randrange(1000) for _ in range(64)], hasher)
+    lone = [rng.randrange(1000) for _ in range(4096)]
+    late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    producer = _burst(proc_class, proc, [lone, late], GAP_S)
+    producer, ids = _burst(proc, [lone, late], GAP_S)
     proc._process_input_queue()
     producer.join()
-    assert list(scheduler.requests) == [lone.request_id] and arrivals.GATHERS[0] == gathers
+    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
 
 
 def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
@@ -221,10 +290,10 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
     _request(prefix + [9] * BLOCK, hasher)  # the hashes' donor
     running = _request(prefix + [0] * BLOCK, hasher)  # it shares the prefix, and it is running:
     scheduler.add_request(running)  # the engine has work, nothing to gather for
-    later = [_request(prefix + [i + 1] * BLOCK, hasher) for i in range(4)]
+    later = [prefix + [i + 1] * BLOCK for i in range(4)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    producer = _burst(proc_class, proc, later, GAP_S)
+    producer, _ = _burst(proc, later, GAP_S)
     proc._process_input_queue()
     producer.join()
     # The running request and at most the first of the later ones (put as the call began).
@@ -246,13 +315,37 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, clean_s
     kept = _request(prefix + [1] * BLOCK, hasher)  # it took the prefix's hashes
     kept.status = RequestStatus.FINISHED_STOPPED
     scheduler.requests[kept.request_id] = kept  # held, not running: the engine core is idle
-    lone = _request([rng.randrange(1000) for _ in range(4096)], hasher)
-    late = _request([rng.randrange(1000) for _ in range(64)], hasher)
+    lone = [rng.randrange(1000) for _ in range(4096)]
+    late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     assert not proc.has_work()
     gathers = arrivals.GATHERS[0]
-    producer = _burst(proc_class, proc, [lone, late], GAP_S)
+    producer, ids = _burst(proc, [lone, late], GAP_S)
     proc._process_input_queue()
     producer.join()
-    assert list(scheduler.requests) == [kept.request_id, lone.request_id]
+    assert list(scheduler.requests) == [kept.request_id, ids[0]]
     assert arrivals.GATHERS[0] == gathers
+
+
+def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathering(monkeypatch, caplog):
+    """The gathering's shape is checked apart from the block-hash and lookup reuse's."""
+    import importlib
+
+    from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE
+
+    core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
+    engine_core.INSTRUMENTOR.uninstrument(core)
+    # A vLLM whose input thread no longer preprocesses: its requests' timing is not known here.
+    monkeypatch.setattr(core.EngineCoreProc, "process_input_sockets", lambda self: None)
+    try:
+        assert engine_core.arrival_problem(core) == (
+            "EngineCoreProc.process_input_sockets no longer calls preprocess_add_request"
+        )
+        assert engine_core.INSTRUMENTOR.instrument(core)
+        paths = {path for path, _ in engine_core.INSTRUMENTOR.state().wrappers.handles}
+        assert engine_core.FACTORY in paths and engine_core.KV_INIT in paths
+        assert arrivals.TARGET not in paths and arrivals.INPUT_TARGET not in paths
+        report = engine_core.INSTRUMENTOR.report()
+        assert report["instrumented"] and report["gather_problem"].endswith("calls preprocess_add_request")
+    finally:
+        engine_core.INSTRUMENTOR.uninstrument(core)

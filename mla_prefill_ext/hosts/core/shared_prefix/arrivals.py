@@ -29,6 +29,7 @@ points (16 x 512 2.40x stock against 2.25x, 16 x 1 2.55x against 1.80x) and noth
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -40,9 +41,11 @@ from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
 
 TARGET = "EngineCoreProc._process_input_queue"
+INPUT_TARGET = "EngineCoreProc.preprocess_add_request"
 QUIET_S = 0.003
-"""A burst ends when no request arrives for this long (the engine core's input thread decodes and
-hashes one 32k-token request in about a millisecond)."""
+"""A burst ends when the engine core's input thread has been quiet this long with no request waiting
+(on the H200 it decoded and preprocessed a 32k-token request over a shared prefix every 1.7-3 ms,
+0.3-1.5 ms of it between one request's end and the next one's beginning)."""
 MIN_SHARED_TOKENS = 2048
 """Leading tokens a request must share with a recent one for an idle engine core to wait for more."""
 
@@ -69,11 +72,42 @@ def decide(vllm_config: Any) -> tuple[float, str]:
     return ms / 1000.0, f"up to {ms:g} ms ({source})"
 
 
+class InputActivity:
+    """When the engine core's input thread last showed life: it began or ended a request's
+    preprocessing (``EngineCoreProc.preprocess_add_request``: decoded, block hashes next)."""
+
+    def __init__(self) -> None:
+        self.busy = 0  # requests being preprocessed now
+        self.last = -math.inf  # time.monotonic() of the last beginning or end
+
+    def began(self) -> None:
+        self.busy += 1
+        self.last = time.monotonic()
+
+    def ended(self) -> None:
+        self.busy -= 1
+        self.last = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the input thread's last sign of life (0 while it is preprocessing)."""
+        return 0.0 if self.busy > 0 else time.monotonic() - self.last
+
+
 def gather(
-    take: Callable[[float], Any], handle: Callable[[Any], None], window_s: float, running: Callable[[], bool]
+    take: Callable[[float], Any],
+    handle: Callable[[Any], None],
+    window_s: float,
+    running: Callable[[], bool],
+    input_idle_s: Callable[[], float],
 ) -> int:
-    """Take and handle items while each comes within :data:`QUIET_S` of the last, for at most
-    ``window_s``; how many were taken. ``take(timeout)`` raises ``queue.Empty`` when none came."""
+    """Take and handle items until the input thread has been quiet for :data:`QUIET_S` with none
+    waiting, or ``window_s`` passed; how many were taken. ``take(timeout)`` raises ``queue.Empty``
+    when none came.
+
+    The quiet gap is timed from the input thread's last sign of life, not from when this thread
+    last woke: on the H200 the busy loop's thread, waiting here, at times got to run only 10-35 ms
+    after a request was queued (the input thread decoding and hashing the rest of the burst); timed
+    from its own wake-up it ended bursts the input thread was still delivering, every 2-3 ms."""
     deadline = time.monotonic() + window_s
     taken = 0
     while running():
@@ -81,12 +115,29 @@ def gather(
         if left <= 0:
             break
         try:
-            item = take(min(QUIET_S, left))
+            item = take(max(0.0, min(QUIET_S - input_idle_s(), left)))
         except queue.Empty:
-            break
+            if input_idle_s() >= QUIET_S:
+                break
+            continue
         handle(item)
         taken += 1
     return taken
+
+
+def preprocess_add_request(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``EngineCoreProc.preprocess_add_request`` (the input thread): stamped for :func:`gather`."""
+    activity = _activity(instance)
+    activity.began()
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        activity.ended()
+
+
+def _activity(instance: Any) -> InputActivity:
+    # dict.setdefault is atomic: the input thread and the busy loop may both be first.
+    return instance.__dict__.setdefault("_mla_input_activity", InputActivity())
 
 
 def shares_a_prefix(hasher: Any, request_ids: Any) -> bool:
@@ -136,6 +187,7 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
         lambda item: instance._handle_client_request(*item),
         instance._mla_gather_s,
         instance.is_running,
+        _activity(instance).idle_s,
     )
     GATHERS[0] += 1
     GATHERS[1] += taken

@@ -1,7 +1,7 @@
 """The engine core's part of the shared-prefix path: a shared prefix's block hashes and lookup done once,
 and a burst of requests over it started in one step.
 
-Three wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
+Wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
 in vLLM 0.20.2, 0.25.1 and 0.33.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
 ``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
 loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
@@ -11,8 +11,10 @@ says so, one INFO line per process and decision. ``UnitaryKVCacheCoordinator.__i
 coordinators the engine core's scheduler makes in between, and with the same decision each that can
 serve it gets a :class:`~.prefix_hits.PrefixHits`, which its ``find_longest_cache_hit`` then goes
 through. ``EngineCoreProc._process_input_queue`` gathers a burst over a shared prefix that reaches an
-idle engine core (:mod:`.arrivals`). When a module has another shape nothing is wrapped and one INFO
-line says why: vLLM hashes and looks up every request's blocks and steps at its first request.
+idle engine core, timed by ``EngineCore.preprocess_add_request`` (:mod:`.arrivals`), when the busy
+loop has the shape checked by :func:`arrival_problem` (else one INFO line, and the reuse stays). When a
+module has another shape nothing is wrapped and one INFO line says why: vLLM hashes and looks up every
+request's blocks and steps at its first request.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
         source_reads = set(_code_names(getattr(kv_cache_utils, name, None)))
         if not source_reads or source_reads - may_read:
             return f"vLLM's {name} reads {sorted(source_reads - may_read) or 'nothing known'}"
-    return arrival_problem(core_module)
+    return None
 
 
 # What the gathering (:mod:`.arrivals`) reads and calls on vLLM's engine core process.
@@ -152,6 +154,10 @@ def arrival_problem(core_module: ModuleType) -> str | None:
     init_names = set(_code_names(core_module.EngineCore.__init__))
     if not {"request_block_hasher", "vllm_config", "scheduler"} <= init_names:
         return "EngineCore.__init__ no longer keeps request_block_hasher, vllm_config and scheduler"
+    if "preprocess_add_request" not in core_module.EngineCore.__dict__:
+        return f"{core_module.__name__}.{arrivals.INPUT_TARGET} is not defined there"
+    if "preprocess_add_request" not in _code_names(getattr(proc, "process_input_sockets", None)):
+        return "EngineCoreProc.process_input_sockets no longer calls preprocess_add_request"
     return None
 
 
@@ -207,7 +213,8 @@ HASHERS: list[ReusingHasher] = []
 
 
 class EngineCoreInstrumentor(Instrumentor):
-    """The three wrappers over ``vllm.v1.engine.core``, all or none (the core's :class:`Instrumentor`)."""
+    """The wrappers over ``vllm.v1.engine.core``, all or none (the core's :class:`Instrumentor`); the
+    gathering's two only where its own shape check passes."""
 
     def check(self, module: ModuleType) -> str | None:
         try:
@@ -218,11 +225,24 @@ class EngineCoreInstrumentor(Instrumentor):
             return f"its shape could not be read ({type(e).__name__}: {e})"
 
     def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
-        return [
-            (KV_INIT, note_engine_config),
-            (FACTORY, make_hasher),
-            (arrivals.TARGET, arrivals.process_input_queue),
-        ]
+        wrappers: list[tuple[str, Any]] = [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
+        # The gathering is checked apart: a vLLM whose busy loop has another shape keeps the reuse.
+        self.arrival_problem = arrival_problem(module)
+        if self.arrival_problem is None:
+            wrappers += [
+                (arrivals.TARGET, arrivals.process_input_queue),
+                (arrivals.INPUT_TARGET, arrivals.preprocess_add_request),
+            ]
+        else:
+            log_once(
+                logging.INFO,
+                ("shared-prefix-gather-shape", self.arrival_problem),
+                "MLA shared-prefix prefill (mla-prefill-ext): vLLM %s: an idle engine core steps at its "
+                "first request as vLLM does (%s).",
+                versions.installed_vllm_version(),
+                self.arrival_problem,
+            )
+        return wrappers
 
     def complete(self, module: ModuleType) -> str | None:
         """The coordinator's two wrappers, with the engine core's or not at all."""
@@ -259,6 +279,7 @@ class EngineCoreInstrumentor(Instrumentor):
             "hashed_blocks": latest.hashed_blocks if latest else 0,
             "reused_hits": hits.reused_hits if hits else 0,
             "looked_up_hits": hits.looked_up if hits else 0,
+            "gather_problem": getattr(self, "arrival_problem", None),
             "gathers": arrivals.GATHERS[0],
             "gathered": arrivals.GATHERS[1],
         }
