@@ -57,7 +57,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
     """
     import sys
 
-    from mla_prefill_ext.settings import SHARED_PREFIX_ENV, shared_prefix_setting
+    from mla_prefill_ext.settings import SHARED_PREFIX_ENV, gather_window_ms, shared_prefix_setting
 
     if disabled:
         return {"on": False, "reason": "the add-on is disabled", "problem": False}
@@ -67,6 +67,10 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         return {"on": False, "reason": str(e), "problem": True}
     if not on:
         return {"on": False, "reason": f"turned off by {source}", "problem": False}
+    try:  # an engine core stops at start on an invalid window
+        gather_window_ms()
+    except ValueError as e:
+        return {"on": False, "reason": str(e), "problem": True}
     module = sys.modules.get(SHARED_PREFIX_MODULE)
     path = getattr(module, "INSTRUMENTOR", None)
     if path is None or not path.instrumented:
@@ -91,10 +95,35 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; {_hashes_outlook()}"
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; {_hashes_outlook()}; "
+            f"{_gather_outlook()}"
         ),
         "problem": False,
     }
+
+
+def _gather_outlook() -> str:
+    """Whether an idle engine core here gathers a burst over a shared prefix into one step (for ``info``)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import engine_core
+    from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
+
+    try:
+        ms, source = gather_window_ms()
+    except ValueError as e:
+        return f"an idle engine core steps at its first request ({e})"
+    if ms <= 0:
+        return f"an idle engine core steps at its first request (turned off by {source})"
+    try:
+        problem = engine_core.arrival_problem(importlib.import_module(VLLM_ENGINE_CORE_MODULE))
+    except Exception as e:  # info reports, it does not fail
+        problem = f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
+    if problem is not None:
+        return f"an idle engine core steps at its first request ({problem})"
+    off = f"{GATHER_ENV}=0 turns it off" if source != GATHER_ENV else f"{GATHER_ENV}={ms:g}"
+    return (
+        f"an idle engine core takes a burst of requests over a shared prefix into one step, waiting up to "
+        f"{ms:g} ms while they arrive ({off}; not with data parallelism)"
+    )
 
 
 def _hashes_outlook() -> str:

@@ -93,6 +93,11 @@ def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, 
         ), on
     elif versions.installed_vllm_version() in ("0.20.2", "0.25.1"):
         assert lines and lines[0].startswith("shared-prefix path: on: requests sharing a cached prefix"), on
+        assert lines[0].endswith(
+            "an idle engine core takes a burst of requests over a shared prefix into one step, waiting up to "
+            "100 ms while they arrive (MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0 turns it off; not with data "
+            "parallelism)"
+        ), lines
     else:
         assert lines and lines[0].startswith("shared-prefix path: off: not available (vLLM "), on
     if versions.installed_vllm_version() in ("0.20.2", "0.25.1", "0.33.0"):  # on either runner

@@ -107,7 +107,10 @@ def core_config(model_dirs, clean_selection):
 
 def test_the_window_is_on_with_the_path_and_says_why_not(core_config, clean_selection):
     config, _ = core_config
-    assert arrivals.decide(config) == (0.0, "off by default (MLA_PREFILL_SHARED_PREFIX_GATHER_MS=25 opts in)")
+    assert arrivals.decide(config) == (
+        0.1,
+        "up to 100 ms (MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0 turns it off)",
+    )
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "25")
     assert arrivals.decide(config) == (0.025, "up to 25 ms (MLA_PREFILL_SHARED_PREFIX_GATHER_MS)")
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "5")
@@ -236,14 +239,13 @@ GAP_S = (
 LONG_QUIET_S = 0.2
 
 
-@pytest.mark.parametrize("window_ms", ["1000", "0", None])
+@pytest.mark.parametrize("window_ms", ["1000", "0"])
 def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     proc_class, core_config, clean_selection, monkeypatch, window_ms
 ):
     config, scheduler = core_config
     monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
-    if window_ms is not None:  # None: the default (off)
-        clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", window_ms)
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", window_ms)
     hasher = _hasher()
     rng = random.Random(1)
     prefix = [rng.randrange(1000) for _ in range(4096)]
@@ -349,3 +351,16 @@ def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathe
         assert report["instrumented"] and report["gather_problem"].endswith("calls preprocess_add_request")
     finally:
         engine_core.INSTRUMENTOR.uninstrument(core)
+
+
+def test_an_invalid_window_stops_the_engine_core_at_start(proc_class, core_config, clean_selection):
+    """Checked where EngineCore.__init__ calls ``_initialize_kv_caches(config)``, before any request
+    (here an engine core without an executor: vLLM's method stops right after the wrapper)."""
+    config, _ = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
+    engine = object.__new__(proc_class.EngineCore)
+    with pytest.raises(RuntimeError, match="mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon'"):
+        engine._initialize_kv_caches(config)
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "40")
+    with pytest.raises(AttributeError):  # valid: on into vLLM's own method
+        engine._initialize_kv_caches(config)

@@ -65,11 +65,10 @@ def decide(vllm_config: Any) -> tuple[float, str]:
     if ms <= 0:
         return (
             0.0,
-            f"turned off by {source}"
-            if source == GATHER_ENV
-            else f"off by default ({GATHER_ENV}=25 opts in)",
+            f"turned off by {source}" if source == GATHER_ENV else f"{source} says {ms:g} ms",
         )
-    return ms / 1000.0, f"up to {ms:g} ms ({source})"
+    how = f"{GATHER_ENV}=0 turns it off" if source != GATHER_ENV else source
+    return ms / 1000.0, f"up to {ms:g} ms ({how})"
 
 
 class InputActivity:

@@ -164,6 +164,10 @@ def arrival_problem(core_module: ModuleType) -> str | None:
 def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``EngineCore._initialize_kv_caches``: the configuration noted for the hasher made after it."""
     _LOCAL.config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    try:  # the gathering's window, checked at start-up rather than at the first request
+        arrivals.decide(_LOCAL.config)
+    except ValueError as e:
+        raise RuntimeError(f"mla-prefill-ext: {e}") from None
     prefix_hits.collect(True)  # the scheduler's coordinator is made next, before the block hasher
     return wrapped(*args, **kwargs)
 
