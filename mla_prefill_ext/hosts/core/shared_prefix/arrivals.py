@@ -1,4 +1,4 @@
-"""Requests over a shared prefix that reach an idle engine core together, started in one step (opt-in).
+"""Requests over a shared prefix that reach an idle engine core together, started in one step (on by default).
 
 vLLM's engine core (``EngineCoreProc``, the engine core in its own process, as ``LLM`` and the server
 run it) steps as soon as the first request reaches it while idle; the rest of a burst lands during
@@ -9,21 +9,23 @@ again, and the shared segment is worked once per step, so twice, or the small pa
 path alone. With the engine core in the driver's process the same call is one step and took 0.181 s
 against 0.27-0.33 s.
 
-With ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS`` set above 0 (and the path on): when the engine core was
-idle and the requests it just took include one whose leading blocks equal a recent request's for at
-least :data:`MIN_SHARED_TOKENS` (the block-hash reuse found them, :mod:`.prefix_hashes`), it keeps
-taking requests from its input queue while they keep coming, each within :data:`QUIET_S` of the
-last, for at most that many ms, then steps. A running engine takes new requests at its step
-boundaries as vLLM does; a request that shares nothing, or reaches a busy engine, is never held; a
-lone request over a shared prefix reaching an idle engine starts :data:`QUIET_S` later. Not with
+With the path on (and ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS`` not 0; default 100): when the engine
+core was idle and the requests its wait took include one whose leading blocks equal a recent
+request's for at least :data:`MIN_SHARED_TOKENS` (the block-hash reuse found them,
+:mod:`.prefix_hashes`), it keeps taking requests from its input queue until its input thread (which
+decodes and preprocesses each request before queueing it) has been quiet for :data:`QUIET_S` with
+nothing queued, for at most the window, then steps. A running engine takes new requests at its step
+boundaries as vLLM does; a request that shares nothing, or reaches a busy engine, is never held; a lone
+request over a shared prefix starts at most :data:`QUIET_S` after its preprocessing ended. Not with
 data parallelism (engines step together there).
 
-Off by default: on the H200 it did not make such bursts one step reliably. With 25 ms and a 3 ms quiet
-gap about half of the 16-request calls still ran as two steps, each of them then routed with its own
-segment (11 + 5: the prefix up-projected twice); a 15 ms gap split them as often and made a lone
-request's call slower. Eager, against the path without it in the same run, it gained at most shared
-points (16 x 512 2.40x stock against 2.25x, 16 x 1 2.55x against 1.80x) and nothing at 16 x 128
-(1.84x both); compiled, 16 x 128 read 1.72x against 1.99x in an earlier run without it.
+Measured on the H200 (docs/results/h200-2026-12-04-arrivals): a trace of each request showed the driver
+sending a 16-request burst within 5-9 ms and the engine core's input thread queueing one every 1.7-3 ms
+(27-68 ms for the burst), while the busy loop, waiting here, at times ran only 10-35 ms after a request
+was queued; an earlier version timed the quiet gap from its own wake-up and had a 25 ms window, and split
+about half the calls. Timed from the input thread, with 100 ms: one step in every 16 x 128 and 16 x 512
+call (vLLM 0.20.2 and 0.25.1, eager and compiled); eager 16 x 128 2.35x stock against 1.63x without it in
+the same run.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ QUIET_S = 0.003
 MIN_SHARED_TOKENS = 2048
 """Leading tokens a request must share with a recent one for an idle engine core to wait for more."""
 
-GATHERS = [0, 0]  # gatherings in this process, requests (and other client calls) they took
+GATHERS = [0, 0]
+"""In this process: gatherings begun (one that took nothing counts too), and the client calls they
+took (requests, and an abort or utility call that came within the burst)."""
 
 
 def decide(vllm_config: Any) -> tuple[float, str]:

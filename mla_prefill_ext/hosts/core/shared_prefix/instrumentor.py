@@ -111,7 +111,7 @@ class SharedPrefixInstrumentor:
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
             "steps": routing.STEPS[0],
-            "step_shapes": [list(shape) for shape in routing.SHAPES],
+            "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
         }
 
 

@@ -57,7 +57,9 @@ ROUTED = [0]  # steps whose short extends were routed here, in this process (evi
 STEPS = [0]  # steps the runner reordered (every scheduled step), in this process
 SHAPES: collections.deque[tuple[int, int, bool]] = collections.deque(maxlen=256)
 """The last steps' (requests, scheduled tokens, routed), this process's: how a benchmark's call was
-split into steps (requests that reach an engine apart run in separate steps, each its own forward)."""
+split into steps (requests that reach an engine apart run in separate steps, each its own forward).
+Every step the runner reordered, one entry each as :data:`STEPS` counts them, empty ones included
+(``(0, 0, False)``: async scheduling's steps that only collect the previous step's output)."""
 _LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
 _USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
 
