@@ -3,14 +3,15 @@
     python -m scripts.bench shared_prefix_engine [--sides stock,FLASH_ATTN,FLASH_ATTN:noshare]
         [--scenarios shared,private,fresh,decode] [--prefix-lens 32768,8192]
         [--points 16x32,16x128,16x512,8x1024,4x2048] [--reps 5] [--eager] [--gpu-mem 0.28]
-        [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
+        [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--trace-arrivals]
+        [--json out.json]
 
 Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
 checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
 (``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
 ``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:gather`` (the path on, its
-engine core's gathering of a burst opted in: ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=25``) and
-``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``, the default since 2026-12-04). Each engine's
+engine core's gathering of a burst at 100 ms, the default; ``NAME:gather40``: 40 ms) and
+``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request). Each engine's
 workers report what owns their MLA prefill and the shared-prefix switches they see; the run stops if a
 side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
 (``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
@@ -44,6 +45,11 @@ table then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scen
 Memory: every engine's workers forget the start-up's allocator peak once the engines are up and report
 the workload's peak at the end (``memory`` in the JSON, one line per worker): peak allocated, the KV
 cache it includes, the rest beyond it, and what the allocator reserves.
+
+``--trace-arrivals`` (one GPU: the engine core in the worker's process): per timed call, when the driver
+sent each request, when the engine core's input thread began and ended preprocessing it, when the busy
+loop took it, and each step, in ms from the first send (``scripts/bench/arrival_trace.py``; printed and
+in the JSON as ``arrival_traces``).
 
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
 backend, ``examples/counting_backend.py``, a side of its own, not one of these).
