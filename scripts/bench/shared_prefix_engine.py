@@ -142,9 +142,9 @@ def path_counters(llm: Any) -> dict[str, int] | None:
 
     ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing;
     ``hits_reused``: prefix-cache hits its scheduler took from an earlier lookup instead of looking
-    the blocks up; ``gathered``: client calls (requests, mostly) an idle engine core took into its first
-    step by waiting for a burst over a shared prefix (all three read where the engine core runs in the worker's process,
-    as on one GPU; else 0)."""
+    the blocks up; ``gathered``: client calls (requests, mostly) an idle engine core took into its
+    first step by waiting for a burst over a shared prefix (all three read where the engine core runs
+    in the worker's process, as on one GPU; else 0)."""
     workers = llm.collective_rpc(engine.prefill_owners)
     reports = [w.get("shared_prefix") for w in workers]
     if not reports or any(r is None for r in reports):
