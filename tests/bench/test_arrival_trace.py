@@ -47,8 +47,8 @@ def traced_core(monkeypatch):
 
 
 def test_the_engine_core_stamps_a_request_ready_and_taken(traced_core, core_config):
-    from vllm import SamplingParams
-    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm_scheduler_objects import engine_core_request
 
     core, traced = traced_core
     config, scheduler = core_config
@@ -60,17 +60,7 @@ def test_the_engine_core_stamps_a_request_ready_and_taken(traced_core, core_conf
     proc.shutdown_state = core.EngineShutdownState.RUNNING
     proc.reject_new_requests = False  # vLLM 0.33: not paused
     proc.input_queue, proc.aborts_queue = queue.Queue(), queue.Queue()
-    request = EngineCoreRequest(
-        request_id="r1",
-        prompt_token_ids=list(range(40)),
-        mm_features=None,
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        arrival_time=0.0,
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
+    request = engine_core_request("r1", list(range(40)))
     ready = proc.preprocess_add_request(request)  # vLLM's own, stamped
     proc._handle_client_request(EngineCoreRequestType.ADD, ready)
     assert list(scheduler.requests) == ["r1"]

@@ -1,6 +1,6 @@
 """vLLM's engine-core scheduler objects, built for real on the CPU: a KV cache of one MLA group and a
-``Scheduler`` over it (its class as the configuration picks it). Constructors differ across vLLM
-releases: each is given the keyword arguments its release takes."""
+``Scheduler`` over it (its class as the configuration picks it), and the requests its input thread
+decodes. Constructors differ across vLLM releases: each is given the keyword arguments its release takes."""
 
 from __future__ import annotations
 
@@ -40,4 +40,24 @@ def scheduler(vllm_config: Any, num_blocks: int, block_size: int) -> Any:
             include_finished_set=False,
             log_stats=False,
         )
+    )
+
+
+def engine_core_request(request_id: str, tokens: list[int]) -> Any:
+    """What vLLM's input thread decodes from the driver for a plain prompt (one output token)."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
     )

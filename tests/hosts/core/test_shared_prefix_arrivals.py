@@ -206,8 +206,8 @@ def _burst(proc, prompts, gap_s):
     """vLLM's input thread over a burst: each prompt (``gap_s`` apart) decoded as an
     ``EngineCoreRequest``, preprocessed by the engine core's own (wrapped) ``preprocess_add_request``
     and queued; the request ids, in order."""
-    from vllm import SamplingParams
-    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm_scheduler_objects import engine_core_request
 
     ids = [f"burst{random.random()}" for _ in prompts]
 
@@ -215,17 +215,7 @@ def _burst(proc, prompts, gap_s):
         for i, (rid, tokens) in enumerate(zip(ids, prompts, strict=True)):
             if i:
                 time.sleep(gap_s)
-            request = EngineCoreRequest(
-                request_id=rid,
-                prompt_token_ids=list(tokens),
-                mm_features=None,
-                sampling_params=SamplingParams(max_tokens=1),
-                pooling_params=None,
-                arrival_time=time.time(),
-                lora_request=None,
-                cache_salt=None,
-                data_parallel_rank=None,
-            )
+            request = engine_core_request(rid, tokens)
             proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
 
     thread = threading.Thread(target=run, daemon=True)
