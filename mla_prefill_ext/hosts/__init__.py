@@ -67,10 +67,14 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         return {"on": False, "reason": str(e), "problem": True}
     if not on:
         return {"on": False, "reason": f"turned off by {source}", "problem": False}
-    try:  # an engine core stops at start on an invalid window
+    try:
         gather_window_ms()
-    except ValueError as e:
-        return {"on": False, "reason": str(e), "problem": True}
+    except ValueError as e:  # read where the path is on: an MLA model's engine core stops at start
+        return {
+            "on": False,
+            "reason": f"{e}; an engine core of an MLA model stops at start with it",
+            "problem": True,
+        }
     module = sys.modules.get(SHARED_PREFIX_MODULE)
     path = getattr(module, "INSTRUMENTOR", None)
     if path is None or not path.instrumented:
@@ -103,18 +107,18 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
 
 
 def _gather_outlook() -> str:
-    """Whether an idle engine core here gathers a burst over a shared prefix into one step (for ``info``)."""
+    """Whether an idle engine core here gathers a burst over a shared prefix into one step (for ``info``;
+    the window's value was checked before)."""
     from mla_prefill_ext.hosts.core.shared_prefix import engine_core
     from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
 
-    try:
-        ms, source = gather_window_ms()
-    except ValueError as e:
-        return f"an idle engine core steps at its first request ({e})"
+    ms, source = gather_window_ms()
     if ms <= 0:
         return f"an idle engine core steps at its first request (turned off by {source})"
     try:
-        problem = engine_core.arrival_problem(importlib.import_module(VLLM_ENGINE_CORE_MODULE))
+        core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
+        # The engine core's wrappers go in all or none: the reuse's shape first, then the gathering's.
+        problem = engine_core.INSTRUMENTOR.check(core) or engine_core.arrival_problem(core)
     except Exception as e:  # info reports, it does not fail
         problem = f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
     if problem is not None:

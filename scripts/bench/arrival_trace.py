@@ -119,7 +119,8 @@ def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:
 
 
 def timeline_lines(label: str, trace: dict[str, Any]) -> list[str]:
-    """A call's trace as three lines: sends, arrivals in the engine core's queue, takes, steps (ms)."""
+    """A call's trace as five lines (ms): sends, preprocessing begun and ended (the request is queued
+    right after), taken by the busy loop, steps."""
 
     def row(i: int) -> str:
         return " ".join("-" if r[i] is None else f"{r[i]:.1f}" for r in trace["requests"])
@@ -128,7 +129,7 @@ def timeline_lines(label: str, trace: dict[str, Any]) -> list[str]:
     return [
         f"{label}: sent   {row(0)}",
         f"  preprocess began {row(1)}",
-        f"  in the queue     {row(2)}",
+        f"  preprocessed     {row(2)}",
         f"  taken            {row(3)}",
         f"  steps            {steps}",
     ]

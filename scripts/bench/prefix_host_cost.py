@@ -17,7 +17,7 @@ length 40960), stage by stage in the order the request travels:
           ``OutputProcessor.add_request``; ``MsgpackEncoder.encode`` of each ``EngineCoreRequest``
   core    ``MsgpackDecoder(EngineCoreRequest).decode``; ``Request.from_engine_core_request`` with
           the block hasher (``get_request_block_hasher``, ``init_none_hash``): what
-          ``EngineCore.preprocess_add_request`` does
+          ``EngineCoreProc.preprocess_add_request`` does
   sched   the ``Scheduler`` class the configuration picks (``AsyncScheduler``), on a ``KVCacheConfig``
           from ``get_kv_cache_configs`` (one MLA group, 61 layers, blocks for 20 requests of the model
           length): ``add_request``, ``schedule()`` and ``update_from_output`` (a ``ModelRunnerOutput``

@@ -41,6 +41,13 @@ class SideSpec:
         return dict(self.env)
 
 
+def _window_ms(text: str) -> int | None:
+    """``40`` in ``NAME:gather40``: a window from 1 to 1000 ms the add-on accepts (None: not one)."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 1000:
+        return None
+    return int(text)
+
+
 def parse_sides(text: str) -> list[SideSpec]:
     """``stock,FLASH_ATTN,FLASH_ATTN:noshare`` -> the run's engines, in that order.
 
@@ -63,7 +70,9 @@ def parse_sides(text: str) -> list[SideSpec]:
             side = SideSpec(name.upper(), name.upper())
         elif mode.lower() == NOSHARE:
             side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
-        elif mode.lower() == NOGATHER or (mode.lower().startswith(GATHER) and mode[len(GATHER) :].isdigit()):
+        elif mode.lower() == NOGATHER or (
+            mode.lower().startswith(GATHER) and _window_ms(mode[len(GATHER) :]) is not None
+        ):
             window = "0" if mode.lower() == NOGATHER else mode[len(GATHER) :]
             side = SideSpec(f"{name.upper()}:{mode.lower()}", name.upper(), ((GATHER_ENV, window),))
         elif mode.lower() == GATHER:

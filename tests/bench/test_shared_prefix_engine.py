@@ -57,6 +57,9 @@ def test_sides_with_and_without_the_engine_cores_gathering():
         ("FLASH_ATTN:gather", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "100"}),
         ("FLASH_ATTN:gather40", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "40"}),
     ]
+    for bad in ("gather2000", "gather0", "gather²", "gathersoon"):  # windows the add-on would refuse
+        with pytest.raises(ValueError, match="unknown mode"):
+            parse_sides(f"FLASH_ATTN:{bad}")
 
 
 def test_a_second_stock_lifetime_is_a_side_of_its_own():

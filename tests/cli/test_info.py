@@ -22,6 +22,7 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     # The shared-prefix path turned off, and its switch given a value that is not one.
     "info_shared_off": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "0"}),
     "info_shared_invalid": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "maybe"}),
+    "info_gather_invalid": (["info"], {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "soon"}),
 }
 SLOW_RUN_PATHS: dict[str, list[str]] = {"info_claim": ["claim_packages"]}
 
@@ -111,4 +112,13 @@ def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, 
     assert problems == [
         "  PROBLEM  mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use 1/true/on "
         "or 0/false/off."
+    ], problems
+    # The gathering's window: an MLA model's engine core stops at start with it.
+    gather = slow["info_gather_invalid"]
+    assert gather.returncode == 1, gather.stdout
+    assert_no_traceback(gather)
+    problems = [line for line in gather.stdout.splitlines() if line.startswith("  PROBLEM")]
+    assert problems == [
+        "  PROBLEM  MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon' is not a window in ms: use a number from 0 "
+        "(off) to 1000; an engine core of an MLA model stops at start with it."
     ], problems

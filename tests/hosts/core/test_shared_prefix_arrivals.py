@@ -7,6 +7,7 @@ scheduler (an engine core process without its executor and sockets: only what th
 
 from __future__ import annotations
 
+import json
 import queue
 import random
 import threading
@@ -33,14 +34,17 @@ def _producer(q: queue.Queue, items: list, gaps_s: list[float]) -> threading.Thr
 
 def _gather(q: queue.Queue, window_s: float, activity: arrivals.InputActivity) -> tuple[list, float]:
     got: list = []
+
+    def handle(item) -> bool:
+        got.append(item)
+        return item != "utility"  # anything but a request ends the burst
+
     t = time.monotonic()
-    arrivals.gather(
-        lambda timeout: q.get(timeout=timeout), got.append, window_s, lambda: True, activity.idle_s
-    )
+    arrivals.gather(lambda timeout: q.get(timeout=timeout), handle, window_s, lambda: True, activity.idle_s)
     return got, time.monotonic() - t
 
 
-def test_a_burst_is_taken_while_it_keeps_coming():
+def test_a_queued_burst_is_taken_and_the_gathering_ends_when_the_input_thread_is_quiet():
     q: queue.Queue = queue.Queue()
     _producer(q, list(range(10)), [0.0005] * 10).join()  # all there before the gathering
     got, took = _gather(q, 0.5, arrivals.InputActivity())
@@ -48,18 +52,31 @@ def test_a_burst_is_taken_while_it_keeps_coming():
     assert took < 0.1  # it ended when the queue was empty and the input thread quiet, not at the window
 
 
+def test_a_call_that_is_not_a_request_ends_the_burst():
+    q: queue.Queue = queue.Queue()
+    for item in (1, 2, "utility", 3):
+        q.put(item)
+    got, _ = _gather(q, 0.5, arrivals.InputActivity())
+    assert got == [1, 2, "utility"] and q.get_nowait() == 3
+
+
 def _input_thread(
-    q: queue.Queue, activity: arrivals.InputActivity, n: int, busy_s: float
+    q: queue.Queue, activity: arrivals.InputActivity, n: int, busy_s: float, stop: threading.Event
 ) -> threading.Thread:
     """Like vLLM's input thread over a burst already sent: each request preprocessed for ``busy_s``
-    (stamped as the wrapper stamps it), then queued."""
+    (stamped as the wrapper stamps it), then queued. The first beginning is stamped before the thread
+    starts (the gathering must not begin before it)."""
+    activity.began()
 
     def run():
         for i in range(n):
-            activity.began()
+            if i:
+                activity.began()
             time.sleep(busy_s)
             activity.ended()
             q.put(i)
+            if stop.is_set():
+                return
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -69,23 +86,25 @@ def _input_thread(
 def test_the_quiet_gap_is_timed_from_the_input_thread(monkeypatch):
     """Items far apart (each preprocessed longer than the quiet gap) are one burst while the input
     thread is at work on the next; once it is quiet with nothing queued, the gathering ends."""
-    monkeypatch.setattr(arrivals, "QUIET_S", 0.05)
+    monkeypatch.setattr(arrivals, "QUIET_S", 0.1)
     q: queue.Queue = queue.Queue()
     activity = arrivals.InputActivity()
     q.put("first")  # taken by vLLM's own wait; the input thread goes on with the rest
-    thread = _input_thread(q, activity, 3, 0.15)
+    thread = _input_thread(q, activity, 3, 0.25, threading.Event())
     got, took = _gather(q, 5.0, activity)
     thread.join()
     assert got == ["first", 0, 1, 2]
-    assert took < 2.0  # ended one quiet gap after the last, far from the window
+    assert took < 2.5  # ended one quiet gap after the last, far from the window
 
 
 def test_the_window_bounds_a_burst_that_keeps_coming(monkeypatch):
     monkeypatch.setattr(arrivals, "QUIET_S", 0.05)
     q: queue.Queue = queue.Queue()
     activity = arrivals.InputActivity()
-    thread = _input_thread(q, activity, 20, 0.1)  # 2 s of requests
+    stop = threading.Event()
+    thread = _input_thread(q, activity, 20, 0.1, stop)  # 2 s of requests
     got, took = _gather(q, 0.35, activity)
+    stop.set()
     thread.join()
     assert 1 <= len(got) <= 5 and took < 1.0
 
@@ -202,10 +221,11 @@ def _idle_proc(core, config, scheduler, hasher):
     return proc
 
 
-def _burst(proc, prompts, gap_s):
+def _burst(proc, prompts, gap_s, hold: threading.Event | None = None):
     """vLLM's input thread over a burst: each prompt (``gap_s`` apart) decoded as an
     ``EngineCoreRequest``, preprocessed by the engine core's own (wrapped) ``preprocess_add_request``
-    and queued; the request ids, in order."""
+    and queued; the request ids, in order. With ``hold``: the requests after the first only once it is
+    set (a late request that a slow busy loop on a loaded machine cannot find queued with the first)."""
     from vllm.v1.engine import EngineCoreRequestType
     from vllm_scheduler_objects import engine_core_request
 
@@ -215,6 +235,8 @@ def _burst(proc, prompts, gap_s):
         for i, (rid, tokens) in enumerate(zip(ids, prompts, strict=True)):
             if i:
                 time.sleep(gap_s)
+                if hold is not None:
+                    hold.wait()
             request = engine_core_request(rid, tokens)
             proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
 
@@ -248,7 +270,7 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     producer.join()
     taken = len(scheduler.requests)
     if window_ms != "1000":  # vLLM's behaviour: the step starts with what had arrived (the first)
-        assert taken == 1 and arrivals.GATHERS[0] == gathers
+        assert taken < len(burst) and arrivals.GATHERS[0] == gathers
     else:
         assert taken == len(burst) and arrivals.GATHERS[0] == gathers + 1
         assert set(scheduler.requests) == set(ids)
@@ -264,8 +286,10 @@ def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, clean_
     late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    producer, ids = _burst(proc, [lone, late], GAP_S)
+    hold = threading.Event()
+    producer, ids = _burst(proc, [lone, late], GAP_S, hold)
     proc._process_input_queue()
+    hold.set()
     producer.join()
     assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
 
@@ -285,8 +309,10 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
     later = [prefix + [i + 1] * BLOCK for i in range(4)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    producer, _ = _burst(proc, later, GAP_S)
+    hold = threading.Event()
+    producer, _ = _burst(proc, later, GAP_S, hold)
     proc._process_input_queue()
+    hold.set()
     producer.join()
     # The running request and at most the first of the later ones (put as the call began).
     assert arrivals.GATHERS[0] == gathers and len(scheduler.requests) <= 2
@@ -312,8 +338,10 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, clean_s
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     assert not proc.has_work()
     gathers = arrivals.GATHERS[0]
-    producer, ids = _burst(proc, [lone, late], GAP_S)
+    hold = threading.Event()
+    producer, ids = _burst(proc, [lone, late], GAP_S, hold)
     proc._process_input_queue()
+    hold.set()
     producer.join()
     assert list(scheduler.requests) == [kept.request_id, ids[0]]
     assert arrivals.GATHERS[0] == gathers
@@ -343,14 +371,94 @@ def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathe
         engine_core.INSTRUMENTOR.uninstrument(core)
 
 
-def test_an_invalid_window_stops_the_engine_core_at_start(proc_class, core_config, clean_selection):
+def test_an_invalid_window_stops_an_mla_engine_core_at_start(
+    proc_class, core_config, clean_selection, tmp_path
+):
     """Checked where EngineCore.__init__ calls ``_initialize_kv_caches(config)``, before any request
-    (here an engine core without an executor: vLLM's method stops right after the wrapper)."""
+    (here an engine core without an executor: vLLM's method stops right after the wrapper); an engine
+    of another model is not the add-on's to stop."""
+    from vllm_configs import LLAMA_CONFIG
+
+    from mla_prefill_ext.hosts.core.shared_prefix import prefix_hits
+    from mla_prefill_ext.testing import vllm_host as host
+
     config, _ = core_config
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
     engine = object.__new__(proc_class.EngineCore)
-    with pytest.raises(RuntimeError, match="mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon'"):
-        engine._initialize_kv_caches(config)
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "40")
-    with pytest.raises(AttributeError):  # valid: on into vLLM's own method
-        engine._initialize_kv_caches(config)
+    try:
+        with pytest.raises(RuntimeError, match="mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon'"):
+            engine._initialize_kv_caches(config)
+        assert getattr(engine_core._LOCAL, "config", None) is None  # nothing noted for a hasher
+        llama = tmp_path / "tiny-llama"
+        llama.mkdir()
+        (llama / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+        not_mla = host.make_vllm_config(llama)
+        assert not not_mla.model_config.use_mla
+        with pytest.raises(AttributeError):  # into vLLM's own method
+            engine._initialize_kv_caches(not_mla)
+        clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "40")
+        with pytest.raises(AttributeError):  # valid: into vLLM's own method
+            engine._initialize_kv_caches(config)
+    finally:
+        engine_core._LOCAL.config = None
+        prefix_hits.collect(False)
+
+
+def test_a_request_that_fails_preprocessing_leaves_the_input_thread_quiet(proc_class, core_config):
+    config, scheduler = core_config
+    proc = _idle_proc(proc_class, config, scheduler, None)
+    with pytest.raises(AttributeError):  # vLLM's own preprocessing of something that is no request
+        proc.preprocess_add_request(None)
+    activity = arrivals._activity(proc)
+    assert activity.busy == 0 and activity.idle_s() < 60
+
+
+def test_a_call_other_than_a_request_ends_the_gathering(
+    proc_class, core_config, clean_selection, monkeypatch
+):
+    """A utility call, an abort or a wake-up within a burst is handled as vLLM would, and the burst's
+    step starts after it (a collective_rpc is not held back behind the rest of a burst)."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")
+    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
+    hasher = _hasher()
+    rng = random.Random(5)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [0] * BLOCK, hasher)  # the hashes' donor
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    from vllm_scheduler_objects import engine_core_request
+
+    ids = [f"call{i}" for i in range(3)]
+    items = [
+        (
+            EngineCoreRequestType.ADD,
+            proc.preprocess_add_request(engine_core_request(rid, prefix + [i + 1] * BLOCK)),
+        )
+        for i, rid in enumerate(ids)
+    ]
+    items.insert(2, (EngineCoreRequestType.WAKEUP, None))  # request, request, wake-up, request
+    producer = _producer(proc.input_queue, items, [0.0] + [GAP_S] * 3)
+    gathers = arrivals.GATHERS[0]
+    proc._process_input_queue()
+    producer.join()
+    assert set(scheduler.requests) == set(ids[:2]) and arrivals.GATHERS[0] == gathers + 1
+    assert proc.input_queue.get_nowait()[1][0].request_id == ids[2]  # left for the next wait
+
+
+def test_an_engine_core_with_vllms_hasher_never_waits(proc_class, core_config, clean_selection):
+    """vLLM's own hasher (not an MLA model, the path off, hashes that look ahead): no window read,
+    nothing gathered."""
+    config, scheduler = core_config
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")
+    hasher = _hasher()
+    rng = random.Random(6)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [0] * BLOCK, hasher)
+    proc = _idle_proc(proc_class, config, scheduler, hasher.inner)
+    producer, _ = _burst(proc, [prefix + [i + 1] * BLOCK for i in range(3)], 0.0)
+    producer.join()
+    gathers = arrivals.GATHERS[0]
+    proc._process_input_queue()
+    assert arrivals.GATHERS[0] == gathers and "_mla_gather_s" not in proc.__dict__

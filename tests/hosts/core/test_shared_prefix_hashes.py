@@ -11,23 +11,12 @@ import random
 
 import pytest
 import wrapt
+from vllm_configs import LLAMA_CONFIG
 
 from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hashes, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher, common_blocks
 
 BLOCK = 16
-LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 1,
-    "vocab_size": 1000,
-    "max_position_embeddings": 2048,
-    "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture(scope="module")

@@ -88,8 +88,8 @@ class InputActivity:
         self.last = time.monotonic()
 
     def ended(self) -> None:
+        self.last = time.monotonic()  # first: a reader seeing busy 0 must not see the beginning's time
         self.busy -= 1
-        self.last = time.monotonic()
 
     def idle_s(self) -> float:
         """Seconds since the input thread's last sign of life (0 while it is preprocessing)."""
@@ -98,14 +98,14 @@ class InputActivity:
 
 def gather(
     take: Callable[[float], Any],
-    handle: Callable[[Any], None],
+    handle: Callable[[Any], bool],
     window_s: float,
     running: Callable[[], bool],
     input_idle_s: Callable[[], float],
 ) -> int:
     """Take and handle items until the input thread has been quiet for :data:`QUIET_S` with none
-    waiting, or ``window_s`` passed; how many were taken. ``take(timeout)`` raises ``queue.Empty``
-    when none came.
+    waiting, ``window_s`` passed, or ``handle`` returned False (an item that ends the burst); how many
+    were taken. ``take(timeout)`` raises ``queue.Empty`` when none came.
 
     The quiet gap is timed from the input thread's last sign of life, not from when this thread
     last woke: on the H200 the busy loop's thread, waiting here, at times got to run only 10-35 ms
@@ -123,8 +123,9 @@ def gather(
             if input_idle_s() >= QUIET_S:
                 break
             continue
-        handle(item)
         taken += 1
+        if not handle(item):
+            break
     return taken
 
 
@@ -171,10 +172,20 @@ def _window(instance: Any) -> float:
     return window
 
 
+def _handle_request(instance: Any, item: Any) -> bool:
+    """One client call taken while gathering; True while the burst goes on. Anything but a new request
+    (an abort, a utility call such as ``collective_rpc``, a wake-up) ends it, handled as vLLM would."""
+    instance._handle_client_request(*item)
+    return getattr(item[0], "name", None) == "ADD"
+
+
 def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``EngineCoreProc._process_input_queue()``: vLLM's wait for work; from idle, a burst over a
     shared prefix gathered after it."""
-    if instance.has_work():  # busy: new requests join at step boundaries, as in vLLM
+    hasher = getattr(instance, "request_block_hasher", None)
+    # Busy: new requests join at step boundaries, as in vLLM. vLLM's hasher (not an MLA model, the
+    # path off, hashes that look ahead): nothing is known about shared prefixes, nothing to wait for.
+    if instance.has_work() or not isinstance(hasher, ReusingHasher):
         return wrapped(*args, **kwargs)
     # Only what the wait takes counts (an idle scheduler can still hold finished requests' entries).
     idle = set(getattr(instance.scheduler, "requests", ()))
@@ -182,12 +193,12 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
     if not instance.is_running() or not _window(instance):
         return result
     new = set(getattr(instance.scheduler, "requests", ())) - idle
-    if not shares_a_prefix(getattr(instance, "request_block_hasher", None), new):
+    if not shares_a_prefix(hasher, new):
         return result
     requests = instance.input_queue
     taken = gather(
         lambda timeout: requests.get(timeout=timeout),
-        lambda item: instance._handle_client_request(*item),
+        lambda item: _handle_request(instance, item),
         instance._mla_gather_s,
         instance.is_running,
         _activity(instance).idle_s,

@@ -11,7 +11,7 @@ says so, one INFO line per process and decision. ``UnitaryKVCacheCoordinator.__i
 coordinators the engine core's scheduler makes in between, and with the same decision each that can
 serve it gets a :class:`~.prefix_hits.PrefixHits`, which its ``find_longest_cache_hit`` then goes
 through. ``EngineCoreProc._process_input_queue`` gathers a burst over a shared prefix that reaches an
-idle engine core, timed by ``EngineCore.preprocess_add_request`` (:mod:`.arrivals`), when the busy
+idle engine core, timed by ``EngineCoreProc.preprocess_add_request`` (:mod:`.arrivals`), when the busy
 loop has the shape checked by :func:`arrival_problem` (else one INFO line, and the reuse stays). When a
 module has another shape nothing is wrapped and one INFO line says why: vLLM hashes and looks up every
 request's blocks and steps at its first request.
@@ -154,7 +154,7 @@ def arrival_problem(core_module: ModuleType) -> str | None:
     init_names = set(_code_names(core_module.EngineCore.__init__))
     if not {"request_block_hasher", "vllm_config", "scheduler"} <= init_names:
         return "EngineCore.__init__ no longer keeps request_block_hasher, vllm_config and scheduler"
-    if "preprocess_add_request" not in core_module.EngineCore.__dict__:
+    if not callable(getattr(proc, "preprocess_add_request", None)):
         return f"{core_module.__name__}.{arrivals.INPUT_TARGET} is not defined there"
     if "preprocess_add_request" not in _code_names(getattr(proc, "process_input_sockets", None)):
         return "EngineCoreProc.process_input_sockets no longer calls preprocess_add_request"
@@ -163,11 +163,16 @@ def arrival_problem(core_module: ModuleType) -> str | None:
 
 def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``EngineCore._initialize_kv_caches``: the configuration noted for the hasher made after it."""
-    _LOCAL.config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-    try:  # the gathering's window, checked at start-up rather than at the first request
-        arrivals.decide(_LOCAL.config)
-    except ValueError as e:
-        raise RuntimeError(f"mla-prefill-ext: {e}") from None
+    config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    # The gathering's window, checked at start-up rather than at the first request: where it can
+    # gather (an MLA model, its wrappers in place), the switches read as its first wait would.
+    model = getattr(config, "model_config", None)
+    if getattr(model, "use_mla", False) and getattr(INSTRUMENTOR, "arrival_problem", "") is None:
+        try:
+            arrivals.decide(config)
+        except ValueError as e:
+            raise RuntimeError(f"mla-prefill-ext: {e}") from None
+    _LOCAL.config = config
     prefix_hits.collect(True)  # the scheduler's coordinator is made next, before the block hasher
     return wrapped(*args, **kwargs)
 
