@@ -69,7 +69,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         return {"on": False, "reason": f"turned off by {source}", "problem": False}
     try:
         gather_window_ms()
-    except ValueError as e:  # read where the path is on: an MLA model's engine core stops at start
+    except ValueError as e:  # checked at start in every MLA engine core whose busy loop is wrapped
         return {
             "on": False,
             "reason": f"{e}; an engine core of an MLA model stops at start with it",

@@ -372,7 +372,7 @@ def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathe
 
 
 def test_an_invalid_window_stops_an_mla_engine_core_at_start(
-    proc_class, core_config, clean_selection, tmp_path
+    proc_class, core_config, clean_selection, tmp_path, monkeypatch
 ):
     """Checked where EngineCore.__init__ calls ``_initialize_kv_caches(config)``, before any request
     (here an engine core without an executor: vLLM's method stops right after the wrapper); an engine
@@ -399,6 +399,14 @@ def test_an_invalid_window_stops_an_mla_engine_core_at_start(
         clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "40")
         with pytest.raises(AttributeError):  # valid: into vLLM's own method
             engine._initialize_kv_caches(config)
+        # A busy loop of another shape: no gathering there, so its window stops nothing.
+        clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
+        engine_core.INSTRUMENTOR.uninstrument(proc_class)
+        monkeypatch.setattr(proc_class.EngineCoreProc, "process_input_sockets", lambda self: None)
+        assert engine_core.INSTRUMENTOR.instrument(proc_class)
+        assert engine_core.INSTRUMENTOR.report()["gather_problem"]
+        with pytest.raises(AttributeError):
+            engine._initialize_kv_caches(config)
     finally:
         engine_core._LOCAL.config = None
         prefix_hits.collect(False)
@@ -407,10 +415,11 @@ def test_an_invalid_window_stops_an_mla_engine_core_at_start(
 def test_a_request_that_fails_preprocessing_leaves_the_input_thread_quiet(proc_class, core_config):
     config, scheduler = core_config
     proc = _idle_proc(proc_class, config, scheduler, None)
+    began = time.monotonic()
     with pytest.raises(AttributeError):  # vLLM's own preprocessing of something that is no request
         proc.preprocess_add_request(None)
     activity = arrivals._activity(proc)
-    assert activity.busy == 0 and activity.idle_s() < 60
+    assert activity.busy == 0 and activity.last >= began
 
 
 def test_a_call_other_than_a_request_ends_the_gathering(
@@ -419,6 +428,7 @@ def test_a_call_other_than_a_request_ends_the_gathering(
     """A utility call, an abort or a wake-up within a burst is handled as vLLM would, and the burst's
     step starts after it (a collective_rpc is not held back behind the rest of a burst)."""
     from vllm.v1.engine import EngineCoreRequestType
+    from vllm_scheduler_objects import engine_core_request
 
     config, scheduler = core_config
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")
@@ -428,18 +438,29 @@ def test_a_call_other_than_a_request_ends_the_gathering(
     prefix = [rng.randrange(1000) for _ in range(4096)]
     _request(prefix + [0] * BLOCK, hasher)  # the hashes' donor
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    from vllm_scheduler_objects import engine_core_request
+    gathering = threading.Event()
+    real_gather = arrivals.gather
 
+    def gather(*args):
+        gathering.set()
+        return real_gather(*args)
+
+    monkeypatch.setattr(arrivals, "gather", gather)
     ids = [f"call{i}" for i in range(3)]
-    items = [
-        (
-            EngineCoreRequestType.ADD,
-            proc.preprocess_add_request(engine_core_request(rid, prefix + [i + 1] * BLOCK)),
-        )
-        for i, rid in enumerate(ids)
-    ]
-    items.insert(2, (EngineCoreRequestType.WAKEUP, None))  # request, request, wake-up, request
-    producer = _producer(proc.input_queue, items, [0.0] + [GAP_S] * 3)
+
+    def add(i: int) -> None:  # as vLLM's input thread does: preprocess (stamped), then queue
+        request = engine_core_request(ids[i], prefix + [i + 1] * BLOCK)
+        proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
+
+    def input_thread():
+        add(0)  # taken by vLLM's own wait
+        gathering.wait()
+        add(1)
+        proc.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        add(2)
+
+    producer = threading.Thread(target=input_thread, daemon=True)
+    producer.start()
     gathers = arrivals.GATHERS[0]
     proc._process_input_queue()
     producer.join()

@@ -32,6 +32,7 @@ from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import arrivals, prefix_hits, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
+from mla_prefill_ext.settings import gather_window_ms
 
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 KV_INIT = "EngineCore._initialize_kv_caches"
@@ -164,12 +165,12 @@ def arrival_problem(core_module: ModuleType) -> str | None:
 def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``EngineCore._initialize_kv_caches``: the configuration noted for the hasher made after it."""
     config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-    # The gathering's window, checked at start-up rather than at the first request: where it can
-    # gather (an MLA model, its wrappers in place), the switches read as its first wait would.
+    # The gathering's window, checked at start-up rather than at the first request, in every MLA
+    # engine whose busy loop is wrapped (also where it would not gather: one rule, as info states it).
     model = getattr(config, "model_config", None)
     if getattr(model, "use_mla", False) and getattr(INSTRUMENTOR, "arrival_problem", "") is None:
         try:
-            arrivals.decide(config)
+            gather_window_ms()
         except ValueError as e:
             raise RuntimeError(f"mla-prefill-ext: {e}") from None
     _LOCAL.config = config
@@ -288,7 +289,7 @@ class EngineCoreInstrumentor(Instrumentor):
             "hashed_blocks": latest.hashed_blocks if latest else 0,
             "reused_hits": hits.reused_hits if hits else 0,
             "looked_up_hits": hits.looked_up if hits else 0,
-            "gather_problem": getattr(self, "arrival_problem", None),
+            "gather_problem": getattr(self, "arrival_problem", None) if self.is_instrumented() else None,
             "gathers": arrivals.GATHERS[0],
             "gathered": arrivals.GATHERS[1],
         }
