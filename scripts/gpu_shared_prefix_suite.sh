@@ -5,6 +5,9 @@
 #                                                       # fresh prompts, private contexts, decode, with the path's
 #                                                       # counters (steps with segments, steps routed)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT bench-compiled  # the same engines compiled, CUDA graphs
+#   bash scripts/gpu_shared_prefix_suite.sh OUT control  # eager, the points that read below 0.97 on vLLM 0.25.1
+#                                                       # (private 8k, fresh) with two stock lifetimes and the
+#                                                       # path with and without its gathering: spread vs cost
 #   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
@@ -20,8 +23,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer|memory|fixed-cost}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|parity|layer|memory|fixed-cost}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|layer|memory|fixed-cost}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|layer|memory|fixed-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -51,6 +54,15 @@ bench-compiled)
     --stop-after "${STOP_AFTER:-500}" --json "$out/engine-compiled.json" >"$out/engine-compiled.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-compiled.log" | tail -20
+  ;;
+control)
+  stamp "control (eager): two stock lifetimes, the path with and without its gathering"
+  "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:nogather \
+    --scenarios shared,private,fresh --prefix-lens 32768 --points 16x128,16x512 --private-points 16x128 \
+    --reps 6 --gpu-mem 0.2 --stop-after "${STOP_AFTER:-470}" --json "$out/engine-control.json" \
+    >"$out/engine-control.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
@@ -105,7 +117,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, parity, layer, memory or fixed-cost" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, parity, layer, memory or fixed-cost" >&2
   exit 2
   ;;
 esac
