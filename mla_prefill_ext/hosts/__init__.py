@@ -81,7 +81,10 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         why = getattr(path, "problem", None) or "vLLM's MLA layer is not patched or bridged here"
         return {
             "on": False,
-            "reason": f"not available ({why}); vLLM's own context path runs; {_hashes_outlook()}",
+            "reason": (
+                f"not available ({why}); vLLM's own context path runs; "
+                f"{_hashes_outlook(_engine_core_problem())}"
+            ),
             "problem": False,
         }
     from mla_prefill_ext import versions
@@ -91,36 +94,44 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
     if not served:
         return {
             "on": False,
-            "reason": f"off by default here: {runner}; {_hashes_outlook()}",
+            "reason": f"off by default here: {runner}; {_hashes_outlook(_engine_core_problem())}",
             "problem": False,
         }
+    core_problem = _engine_core_problem()
     return {
         "on": True,
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; {_hashes_outlook()}; "
-            f"{_gather_outlook()}"
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; "
+            f"{_hashes_outlook(core_problem)}; {_gather_outlook(core_problem)}"
         ),
         "problem": False,
     }
 
 
-def _gather_outlook() -> str:
+def _engine_core_problem() -> str | None:
+    """Why engine cores here would not take the add-on's wrappers (the check instrument() runs, now)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import engine_core
+
+    try:
+        core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
+    except Exception as e:  # info reports, it does not fail
+        return f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
+    return engine_core.INSTRUMENTOR.check(core) or None
+
+
+def _gather_outlook(core_problem: str | None) -> str:
     """Whether an idle engine core here gathers a burst over a shared prefix into one step (for ``info``;
-    the window's value was checked before)."""
+    the window's value was checked before; ``core_problem``: :func:`_engine_core_problem`)."""
     from mla_prefill_ext.hosts.core.shared_prefix import engine_core
     from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
 
     ms, source = gather_window_ms()
     if ms <= 0:
         return f"an idle engine core steps at its first request (turned off by {source})"
-    try:
-        core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
-        # The engine core's wrappers go in all or none: the reuse's shape first, then the gathering's.
-        problem = engine_core.INSTRUMENTOR.check(core) or engine_core.arrival_problem(core)
-    except Exception as e:  # info reports, it does not fail
-        problem = f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
+    # The engine core's wrappers go in all or none: the reuse's shape first, then the gathering's.
+    problem = core_problem or engine_core.arrival_problem(importlib.import_module(VLLM_ENGINE_CORE_MODULE))
     if problem is not None:
         return f"an idle engine core steps at its first request ({problem})"
     off = f"{GATHER_ENV}=0 turns it off" if source != GATHER_ENV else f"{GATHER_ENV}={ms:g}"
@@ -130,18 +141,11 @@ def _gather_outlook() -> str:
     )
 
 
-def _hashes_outlook() -> str:
-    """Whether engine cores here will reuse a shared prefix's block hashes (its shape check, now)."""
-    from mla_prefill_ext.hosts.core.shared_prefix import engine_core
-
-    try:
-        core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
-    except Exception as e:  # info reports, it does not fail
-        problem: str | None = f"{VLLM_ENGINE_CORE_MODULE} does not import ({type(e).__name__}: {e})"
-    else:
-        problem = engine_core.INSTRUMENTOR.check(core)  # the check instrument() runs
-    if problem is not None:
-        return f"block hashes and prefix-cache hits not reused ({problem})"
+def _hashes_outlook(core_problem: str | None) -> str:
+    """Whether engine cores here will reuse a shared prefix's block hashes (``core_problem``:
+    :func:`_engine_core_problem`)."""
+    if core_problem is not None:
+        return f"block hashes and prefix-cache hits not reused ({core_problem})"
     return (
         "the engine core reuses a shared prefix's block hashes (MLA models; requests without LoRA, cache "
         "salt, multimodal inputs or prompt embeddings; either model runner) and its prefix-cache hits (one "

@@ -76,22 +76,16 @@ def take_events(worker: Any = None) -> list[tuple[str, str | None, float]]:
     return events
 
 
-class DriverTrace:
+def install_in_driver(llm: Any) -> None:
     """Stamps each ``add_request`` the driver sends through one LLM's engine-core client."""
+    client = llm.llm_engine.engine_core
+    send = client.add_request
 
-    def __init__(self, llm: Any) -> None:
-        client = llm.llm_engine.engine_core
-        send = client.add_request
+    def traced(request, *args, **kwargs):
+        _stamp("sent", request.request_id)
+        return send(request, *args, **kwargs)
 
-        def traced(request, *args, **kwargs):
-            _stamp("sent", request.request_id)
-            return send(request, *args, **kwargs)
-
-        client.add_request = traced
-
-    @staticmethod
-    def take() -> list[tuple[str, str | None, float]]:
-        return take_events()
+    client.add_request = traced
 
 
 def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:

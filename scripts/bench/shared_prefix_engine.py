@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, llm in engines.items():
             if not all(llm.collective_rpc(arrival_trace.install_in_engine_core)):
                 raise SystemExit(f"side {label}: no engine core in its worker's process to trace")
-            arrival_trace.DriverTrace(llm)
+            arrival_trace.install_in_driver(llm)
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 

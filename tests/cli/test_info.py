@@ -81,6 +81,13 @@ def test_info_shows_the_platform_and_each_backends_claim(slow: dict[str, Any]) -
     assert lines[-1] == "verdict: ok: the add-on is active and vLLM's MLA layer is patched."
 
 
+def _problems(proc: Any) -> list[str]:
+    """The PROBLEM lines of an ``info`` run that failed as it should (exit 1, no traceback)."""
+    assert proc.returncode == 1, proc.stdout
+    assert_no_traceback(proc)
+    return [line for line in proc.stdout.splitlines() if line.startswith("  PROBLEM")]
+
+
 def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, Any]) -> None:
     on = slow["info_claim"].stdout.splitlines()
     off = slow["info_shared_off"]
@@ -105,20 +112,13 @@ def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, 
         assert "the engine core reuses a shared prefix's block hashes (MLA models;" in lines[0], lines
     assert off.returncode == 0, off.stdout + off.stderr[-2000:]
     assert "shared-prefix path: off: turned off by MLA_PREFILL_SHARED_PREFIX" in off.stdout.splitlines()
-    assert invalid.returncode == 1, invalid.stdout
-    assert_no_traceback(invalid)
     # Refused when vLLM's MLA module loads (an engine stops at start), named once.
-    problems = [line for line in invalid.stdout.splitlines() if line.startswith("  PROBLEM")]
-    assert problems == [
+    assert _problems(invalid) == [
         "  PROBLEM  mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use 1/true/on "
         "or 0/false/off."
-    ], problems
+    ]
     # The gathering's window: an MLA model's engine core stops at start with it.
-    gather = slow["info_gather_invalid"]
-    assert gather.returncode == 1, gather.stdout
-    assert_no_traceback(gather)
-    problems = [line for line in gather.stdout.splitlines() if line.startswith("  PROBLEM")]
-    assert problems == [
+    assert _problems(slow["info_gather_invalid"]) == [
         "  PROBLEM  MLA_PREFILL_SHARED_PREFIX_GATHER_MS='soon' is not a window in ms: use a number from 0 "
         "(off) to 1000; an engine core of an MLA model stops at start with it."
-    ], problems
+    ]

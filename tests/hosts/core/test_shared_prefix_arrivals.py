@@ -251,6 +251,24 @@ GAP_S = (
 LONG_QUIET_S = 0.2
 
 
+@pytest.fixture
+def opted_in(clean_selection, monkeypatch):
+    """A 1000 ms window and the longer quiet gap: a loaded machine cannot end a burst early."""
+    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")
+    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
+
+
+def _wait_then_release(proc, prompts) -> list[str]:
+    """vLLM's wait for work (wrapped) while the first prompt arrives; the rest are held until it
+    returned (a late request a slow busy loop cannot find queued with the first). The request ids."""
+    hold = threading.Event()
+    producer, ids = _burst(proc, prompts, GAP_S, hold)
+    proc._process_input_queue()
+    hold.set()
+    producer.join()
+    return ids
+
+
 @pytest.mark.parametrize("window_ms", ["1000", "0"])
 def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     proc_class, core_config, clean_selection, monkeypatch, window_ms
@@ -276,30 +294,20 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
         assert set(scheduler.requests) == set(ids)
 
 
-def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, clean_selection, monkeypatch):
+def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, opted_in):
     config, scheduler = core_config
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")  # opted in
-    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
     hasher = _hasher()
     rng = random.Random(2)
     lone = [rng.randrange(1000) for _ in range(4096)]
     late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    hold = threading.Event()
-    producer, ids = _burst(proc, [lone, late], GAP_S, hold)
-    proc._process_input_queue()
-    hold.set()
-    producer.join()
+    ids = _wait_then_release(proc, [lone, late])
     assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
 
 
-def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
-    proc_class, core_config, clean_selection, monkeypatch
-):
+def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_config, opted_in):
     config, scheduler = core_config
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")  # opted in
-    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
     hasher = _hasher()
     rng = random.Random(3)
     prefix = [rng.randrange(1000) for _ in range(4096)]
@@ -309,23 +317,17 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(
     later = [prefix + [i + 1] * BLOCK for i in range(4)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
-    hold = threading.Event()
-    producer, _ = _burst(proc, later, GAP_S, hold)
-    proc._process_input_queue()
-    hold.set()
-    producer.join()
+    _wait_then_release(proc, later)
     # The running request and at most the first of the later ones (put as the call began).
     assert arrivals.GATHERS[0] == gathers and len(scheduler.requests) <= 2
 
 
-def test_only_the_requests_the_wait_took_decide(proc_class, core_config, clean_selection, monkeypatch):
+def test_only_the_requests_the_wait_took_decide(proc_class, core_config, opted_in):
     """A request the idle scheduler still holds (finished, its KV cache kept for a transfer) shared a
     prefix once; a new request sharing nothing does not make the engine core wait."""
     from vllm.v1.request import RequestStatus
 
     config, scheduler = core_config
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")  # opted in
-    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
     hasher = _hasher()
     rng = random.Random(4)
     prefix = [rng.randrange(1000) for _ in range(4096)]
@@ -338,11 +340,7 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, clean_s
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     assert not proc.has_work()
     gathers = arrivals.GATHERS[0]
-    hold = threading.Event()
-    producer, ids = _burst(proc, [lone, late], GAP_S, hold)
-    proc._process_input_queue()
-    hold.set()
-    producer.join()
+    ids = _wait_then_release(proc, [lone, late])
     assert list(scheduler.requests) == [kept.request_id, ids[0]]
     assert arrivals.GATHERS[0] == gathers
 
@@ -422,17 +420,13 @@ def test_a_request_that_fails_preprocessing_leaves_the_input_thread_quiet(proc_c
     assert activity.busy == 0 and activity.last >= began
 
 
-def test_a_call_other_than_a_request_ends_the_gathering(
-    proc_class, core_config, clean_selection, monkeypatch
-):
+def test_a_call_other_than_a_request_ends_the_gathering(proc_class, core_config, opted_in, monkeypatch):
     """A utility call, an abort or a wake-up within a burst is handled as vLLM would, and the burst's
     step starts after it (a collective_rpc is not held back behind the rest of a burst)."""
     from vllm.v1.engine import EngineCoreRequestType
     from vllm_scheduler_objects import engine_core_request
 
     config, scheduler = core_config
-    clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "1000")
-    monkeypatch.setattr(arrivals, "QUIET_S", LONG_QUIET_S)
     hasher = _hasher()
     rng = random.Random(5)
     prefix = [rng.randrange(1000) for _ in range(4096)]
