@@ -151,16 +151,19 @@ def compute_context(
     if plan.has_segments:
         if segment_backend is None:
             raise RuntimeError("the plan has shared segments but no segment backend was prepared")
-        rows = plan.member_rows
-        seg_out, seg_lse = _run_passes(
-            segment_backend, q[rows], plan.segment_passes, plan.segment_block_table, layer
-        )
-        assert seg_out is not None and seg_lse is not None
-        # Rows of requests in no group: no keys here (-inf), as a request with no context in a chunk.
-        out = seg_out.new_zeros(q.shape[0], *seg_out.shape[1:])
-        lse = seg_lse.new_full((seg_lse.shape[0], q.shape[0]), float("-inf"))
-        out[rows] = seg_out
-        lse[:, rows] = seg_lse
+        if plan.members_are_all_rows and q.shape[0] == plan.num_query_tokens:  # q and the output as they are
+            out, lse = _run_passes(segment_backend, q, plan.segment_passes, plan.segment_block_table, layer)
+        else:
+            rows = plan.member_rows
+            seg_out, seg_lse = _run_passes(
+                segment_backend, q[rows], plan.segment_passes, plan.segment_block_table, layer
+            )
+            assert seg_out is not None and seg_lse is not None
+            # Rows of requests in no group: no keys here (-inf), as a request with no context in a chunk.
+            out = seg_out.new_zeros(q.shape[0], *seg_out.shape[1:])
+            lse = seg_lse.new_full((seg_lse.shape[0], q.shape[0]), float("-inf"))
+            out[rows] = seg_out
+            lse[:, rows] = seg_lse
     priv_out, priv_lse = _run_passes(step_backend, q, plan.private_passes, prefill_block_table, layer)
     if priv_out is not None:
         out, lse = (priv_out, priv_lse) if out is None else layer.merge(out, lse, priv_out, priv_lse)

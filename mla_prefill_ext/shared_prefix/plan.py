@@ -124,22 +124,54 @@ class ContextPlan:
     private_starts: torch.Tensor  # int32 [requests]: where each request's private context begins
     private_passes: tuple[ContextPass, ...]  # sequence j = prefill request j
     num_query_tokens: int
+    # member_rows is every query row in order (all requests in one group, or groups in request
+    # order): the layers then take q and the segments' output as they are, with no gather or scatter.
+    members_are_all_rows: bool = False
 
     @property
     def has_segments(self) -> bool:
         return bool(self.segments)
 
     def to(self, device: torch.device | str) -> ContextPlan:
-        """The plan with its tensors on ``device``, for the layers (views are built from the host plan)."""
+        """The plan with its tensors on ``device``, for the layers and the step's views.
+
+        One host-to-device copy for all of them (from pinned memory on CUDA, without waiting): each
+        copy from pageable memory is staged and waited for by the host, a dozen per step before
+        the first layer can launch. The device tensors are views of that one buffer.
+        """
+        device = torch.device(device)
+        passes = (*self.segment_passes, *self.private_passes)
+        host = [self.segment_block_table, self.member_rows, self.segment_query_start_loc, self.private_starts]
+        host += [t for p in passes for t in p[:4]]
+        moved = iter(_copy_as_one(host, device))
+        table, rows, seg_loc, private_starts = (next(moved) for _ in range(4))
+        moved_passes = [ContextPass(*(next(moved) for _ in range(4)), total=p.total) for p in passes]
+        split = len(self.segment_passes)
         return dataclasses.replace(
             self,
-            segment_block_table=self.segment_block_table.to(device, non_blocking=True),
-            segment_passes=tuple(p.to(device) for p in self.segment_passes),
-            member_rows=self.member_rows.to(device, non_blocking=True),
-            segment_query_start_loc=self.segment_query_start_loc.to(device, non_blocking=True),
-            private_starts=self.private_starts.to(device, non_blocking=True),
-            private_passes=tuple(p.to(device) for p in self.private_passes),
+            segment_block_table=table,
+            segment_passes=tuple(moved_passes[:split]),
+            member_rows=rows.long(),
+            segment_query_start_loc=seg_loc,
+            private_starts=private_starts,
+            private_passes=tuple(moved_passes[split:]),
         )
+
+
+def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (host, integers) on ``device`` as int32 views of one buffer copied at once."""
+    sizes = [t.numel() for t in tensors]
+    pinned = device.type == "cuda"
+    host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=pinned)
+    if tensors:
+        torch.cat([t.reshape(-1).to(torch.int32) for t in tensors], out=host)
+    # Pinned: the copy does not wait, and the caching host allocator keeps the buffer until it is done.
+    buffer = host.to(device, non_blocking=pinned)
+    out, at = [], 0
+    for t, n in zip(tensors, sizes, strict=True):
+        out.append(buffer[at : at + n].view(t.shape))
+        at += n
+    return out
 
 
 def plan_context(
@@ -188,15 +220,19 @@ def plan_context(
     member_counts = torch.tensor([sum(e - s for s, e in seg.query_ranges) for seg in segments])
     seg_loc = torch.zeros(len(segments) + 1, dtype=torch.int32)
     torch.cumsum(member_counts, dim=0, out=seg_loc[1:])
+    member_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    num_query_tokens = int(loc[-1])
     return ContextPlan(
         segments=tuple(segments),
         segment_block_table=seg_table,
         segment_passes=tuple(chunk_passes(torch.zeros_like(seg_lens), seg_lens, workspace_rows, block_size)),
-        member_rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
+        member_rows=member_rows,
         segment_query_start_loc=seg_loc,
         private_starts=private_starts.to(torch.int32),
         private_passes=tuple(chunk_passes(private_starts, ctx, workspace_rows, block_size)),
-        num_query_tokens=int(loc[-1]),
+        num_query_tokens=num_query_tokens,
+        members_are_all_rows=bool(segments)
+        and torch.equal(member_rows, torch.arange(num_query_tokens, dtype=member_rows.dtype)),
     )
 
 

@@ -24,20 +24,27 @@ CHUNKS_ATTR = "mla_prefill_context_chunks"
 
 
 def _chunks(
-    passes: tuple[ContextPass, ...], query_start_loc: torch.Tensor, max_query_len: int, device: Any
+    passes: tuple[ContextPass, ...],
+    on_device: tuple[ContextPass, ...],
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
 ) -> list[ContextChunk]:
     return [
         ContextChunk(
             index=i,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
-            cu_seq_lens=p.cu_seq_lens.to(device, non_blocking=True),
+            cu_seq_lens=d.cu_seq_lens,
             cu_seq_lens_cpu=p.cu_seq_lens,
             max_seq_len=p.max_seq_len,
             seq_lens=p.seq_lens,
         )
-        for i, p in enumerate(passes)
+        for i, (p, d) in enumerate(zip(passes, on_device, strict=True))
     ]
+
+
+def _on_device(plan: ContextPlan, on_device: ContextPlan | None, device: Any) -> ContextPlan:
+    return on_device if on_device is not None else plan.to(device)
 
 
 class SegmentStep:
@@ -45,25 +52,39 @@ class SegmentStep:
 
     chunked_context = None  # its chunks live in mla_prefill_context_chunks
 
-    def __init__(self, plan: ContextPlan, q_data_type: Any, output_dtype: Any, device: Any) -> None:
+    def __init__(
+        self,
+        plan: ContextPlan,
+        q_data_type: Any,
+        output_dtype: Any,
+        device: Any,
+        on_device: ContextPlan | None = None,
+    ) -> None:
+        on_device = _on_device(plan, on_device, device)
         loc = plan.segment_query_start_loc
         self.query_start_loc_cpu = loc
-        self.query_start_loc = loc.to(device, non_blocking=True)
+        self.query_start_loc = on_device.segment_query_start_loc
         self.max_query_len = int((loc[1:] - loc[:-1]).max()) if loc.numel() > 1 else 0
         self.q_data_type = q_data_type
         self.output_dtype = output_dtype
         self.mla_prefill_context_chunks = _chunks(
-            plan.segment_passes, self.query_start_loc, self.max_query_len, device
+            plan.segment_passes, on_device.segment_passes, self.query_start_loc, self.max_query_len
         )
 
 
-def attach_private_chunks(plan: ContextPlan, prefill_metadata: Any) -> None:
-    """Replace the step's context chunks by the plan's private passes (before it is prepared)."""
+def attach_private_chunks(
+    plan: ContextPlan, prefill_metadata: Any, on_device: ContextPlan | None = None
+) -> None:
+    """Replace the step's context chunks by the plan's private passes (before it is prepared).
+
+    ``on_device``: ``plan.to(device)`` when the caller has it (its tensors are used, not copied again).
+    """
     loc = prefill_metadata.query_start_loc
+    on_device = _on_device(plan, on_device, loc.device)
     setattr(
         prefill_metadata,
         CHUNKS_ATTR,
-        _chunks(plan.private_passes, loc, int(prefill_metadata.max_query_len), loc.device),
+        _chunks(plan.private_passes, on_device.private_passes, loc, int(prefill_metadata.max_query_len)),
     )
 
 
@@ -86,8 +107,13 @@ class SegmentInstance:
     def backend(self) -> MLAPrefillBackend:
         return self._backend
 
-    def prepare(self, plan: ContextPlan, prefill_metadata: Any) -> MLAPrefillBackend | None:
-        """Prepare the clone for this step's segments; None when the step has none."""
+    def prepare(
+        self, plan: ContextPlan, prefill_metadata: Any, on_device: ContextPlan | None = None
+    ) -> MLAPrefillBackend | None:
+        """Prepare the clone for this step's segments; None when the step has none.
+
+        ``on_device``: ``plan.to(device)`` when the caller has it (its tensors are used, not copied again).
+        """
         if not plan.has_segments:
             self.step = None
             return None
@@ -96,6 +122,7 @@ class SegmentInstance:
             prefill_metadata.q_data_type,
             prefill_metadata.output_dtype,
             prefill_metadata.query_start_loc.device,
+            on_device,
         )
         self._backend.prepare_metadata(self.step)
         return self._backend

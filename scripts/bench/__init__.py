@@ -24,6 +24,7 @@ MEASUREMENTS = {
     "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
     "prefix_host_cost": "vLLM's host time per part for requests over a cached prefix, no GPU (CPU)",
     "prefix_fixed_cost": "where a call over a cached prefix spends its time, by function, in-process (GPU)",
+    "gpu_timeline": "a profiled call's GPU busy time, idle gaps and what the host did in them (a trace)",
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",
     "shared_prefix_engine": "engine time with a shared cached prefix: stock, the add-on, its path off (GPU)",
     "bench_vs_kernel": "`mla-prefill-ext bench --json` paired with the kernel benchmark on the same shapes",

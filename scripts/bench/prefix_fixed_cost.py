@@ -2,7 +2,7 @@
 
     python -m scripts.bench prefix_fixed_cost [--requests 16] [--prefix 32768]
         [--new 1] [--reps 5] [--eager] [--top 40] [--gpu-mem 0.5] [--side stock|NAME] [--kernels]
-        [--json out.json]
+        [--trace DIR] [--json out.json]
 
 The engine benchmark (``shared_prefix_engine``) finds that 16 requests over a cached 32k prefix cost
 about 0.17 s per call more than 16 fresh prompts even with one new token each, on stock vLLM and the
@@ -21,7 +21,9 @@ named in ``WATCH`` (what the request's path through vLLM is known to do per toke
 ``--side FLASH_ATTN`` (any backend name) runs the add-on instead, its shared-prefix path as set (the
 engine core in this process: the switches are this process's, set before vLLM loads its plugins);
 ``--kernels`` profiles one more call per case with ``torch.profiler`` and lists the CUDA kernels by
-total time, next to that call's wall time (how much of it the GPU was busy, and with what).
+total time, next to that call's wall time (how much of it the GPU was busy, and with what);
+``--trace DIR`` also writes that call's Chrome trace (``DIR/CASE.json.gz``) and prints where the
+GPU sat idle and what the host did meanwhile (``gpu_timeline``).
 
 The profiler slows Python code several times over, more than the GPU's waits; the profiled shares
 point at where the time goes, the timed calls (without it) say how much there is. In-process is not
@@ -32,6 +34,7 @@ with the driver's input processing), so these totals are an upper bound on the d
 from __future__ import annotations
 
 import cProfile
+import gzip
 import io
 import json
 import os
@@ -42,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import common, engine
+from . import common, engine, gpu_timeline
 
 # Functions whose cumulative time the run reports by name (a substring of "file:line(function)"):
 # the per-request work that grows with the prompt's length.
@@ -83,6 +86,12 @@ def make_parser():
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
     parser.add_argument("--side", default="stock", help="stock, or the add-on with this backend")
     parser.add_argument("--kernels", action="store_true", help="one more call per case under torch.profiler")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="with --kernels: write each case's profiler trace here (CASE.json.gz) and summarize its "
+        "GPU idle gaps (gpu_timeline)",
+    )
     parser.add_argument("--json", help="write the results here")
     return parser
 
@@ -120,6 +129,19 @@ def profile_rows(stats: pstats.Stats, top: int) -> tuple[list[dict[str, Any]], d
         hits = [e["cumulative_s"] for e in entries if any(n in e["function"] for n in names)]
         watched[key] = max(hits, default=0.0)
     return by_own, watched
+
+
+def write_trace(prof: Any, path: Path) -> dict[str, Any]:
+    """Export ``prof``'s Chrome trace to ``path`` (gzipped) and summarize its GPU idle gaps."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(plain))
+        raw = plain.read_bytes()
+    path.write_bytes(gzip.compress(raw, 6))
+    return gpu_timeline.summarize(gpu_timeline.load(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 wall = time.perf_counter() - t
             busy, rows = kernel_rows(prof.key_averages(), args.top)
             kernels = {"wall_s": wall, "kernel_s": busy, "top": rows}
+            if args.trace is not None:
+                kernels["timeline"] = write_trace(prof, args.trace / f"{case}.json.gz")
         results[case] = {
             "seconds": seconds,
             "median_s": statistics.median(seconds),
@@ -210,8 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             for r in kernels["top"][:20]:
                 print(f"    {r['seconds']:.4f} s  x{r['calls']:<6} {r['kernel']}")
+            if "timeline" in kernels:
+                print("\n".join("  " + line for line in gpu_timeline.lines(kernels["timeline"])), flush=True)
     common.write_json(
-        args.json, common.record(args={**vars(args), "model": str(args.model)}, engine=info, **results)
+        args.json,
+        common.record(
+            args={**vars(args), "model": str(args.model), "trace": args.trace and str(args.trace)},
+            engine=info,
+            **results,
+        ),
     )
     return 0
 

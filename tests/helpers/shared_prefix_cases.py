@@ -32,6 +32,8 @@ REQUESTS = [
     (None, 0, 40, 3),
     ("B", 4, 9, 1),
 ]
+# Every request in one group (with and without private context): the plan's members are all rows.
+ALL_SHARE = [("A", 4, 21, 5), ("A", 4, 0, 3), ("A", 4, 9, 4)]
 
 
 class SegmentSDPA(TorchSDPAPrefillBackend):

@@ -12,7 +12,16 @@ import dataclasses
 
 import pytest
 import torch
-from shared_prefix_cases import BS, DIMS, SCALE, NoSegmentSDPA, SegmentSDPA, make_backend, make_step
+from shared_prefix_cases import (
+    ALL_SHARE,
+    BS,
+    DIMS,
+    SCALE,
+    NoSegmentSDPA,
+    SegmentSDPA,
+    make_backend,
+    make_step,
+)
 
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 from mla_prefill_ext.shared_prefix.execute import LayerContext, compute_context
@@ -88,6 +97,17 @@ def test_shared_segments_match_attention_over_each_whole_context(workspace, dtyp
     # Each shared token up-projected once: the context minus what the members share beyond one copy.
     saved = sum((len(s.members) - 1) * s.num_tokens for s in plan.segments)
     assert projected == sum(step.context_lens) - saved
+
+
+@pytest.mark.parametrize("workspace", [3 * BS, 1024])
+def test_a_step_whose_requests_all_share_one_prefix_matches_too(workspace):
+    """q and the segment's output taken as they are (members_are_all_rows), no gather or scatter."""
+    step = make_step(ALL_SHARE)
+    plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, workspace)
+    assert plan.members_are_all_rows
+    out, lse, _ = run_layer(step, plan)
+    out_err, lse_err = errors(step, out, lse)
+    assert out_err <= FP32.output_rel and lse_err <= FP32.lse_abs
 
 
 def test_a_backend_that_does_not_declare_segments_gets_vllms_plan():

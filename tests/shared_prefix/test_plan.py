@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from shared_prefix_cases import BS, make_step
+import torch
+from shared_prefix_cases import ALL_SHARE, BS, make_step
 
 from mla_prefill_ext.shared_prefix.plan import ContextPass, FlopCostModel, plan_context
 
@@ -54,6 +55,40 @@ def test_member_rows_are_the_members_queries_segment_by_segment():
     assert plan.member_rows.tolist() == expected
     sizes = [sum(e - s for s, e in seg.query_ranges) for seg in plan.segments]
     assert plan.segment_query_start_loc.tolist() == [0, sizes[0], sizes[0] + sizes[1]]
+    assert not plan.members_are_all_rows  # request 5 is in no group, and the groups interleave
+
+
+def test_members_are_all_rows_when_every_request_is_in_one_group():
+    """The layers' case without a gather of q or a scatter of the output: one group of all."""
+    step = make_step(ALL_SHARE)
+    plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 1024)
+    assert [s.members for s in plan.segments] == [(0, 1, 2)]
+    assert plan.members_are_all_rows
+    assert plan.member_rows.tolist() == list(range(int(step.query_start_loc[-1])))
+
+
+def test_the_plan_goes_to_the_device_as_one_buffer_of_the_same_values():
+    step = make_step()
+    plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 7 * BS)
+    moved = plan.to("cpu")
+    assert moved.member_rows.dtype == torch.int64 and moved.member_rows.tolist() == plan.member_rows.tolist()
+    pairs = [
+        (plan.segment_block_table, moved.segment_block_table),
+        (plan.private_starts, moved.private_starts),
+    ]
+    pairs.append((plan.segment_query_start_loc, moved.segment_query_start_loc))
+    for host, dev in zip(
+        (*plan.segment_passes, *plan.private_passes),
+        (*moved.segment_passes, *moved.private_passes),
+        strict=True,
+    ):
+        assert dev.total == host.total
+        pairs += list(zip(host[:4], dev[:4], strict=True))
+    buffers = set()
+    for host, dev in pairs:
+        assert dev.dtype == torch.int32 and dev.shape == host.shape and torch.equal(dev, host.to(torch.int32))
+        buffers.add(dev.untyped_storage().data_ptr())
+    assert len(buffers) == 1  # views of one copy
 
 
 def test_without_shared_segments_the_plan_is_vllms():

@@ -119,7 +119,7 @@ def test_a_wrong_prefix_match_is_caught(vllm_hasher, monkeypatch):
     """The check above can fail: a matcher that trusts the first block alone hands out other
     prompts' hashes, and the comparison with vLLM's hasher sees it."""
     monkeypatch.setattr(
-        prefix_hashes, "common_blocks", lambda a, b, bs, limit: limit if a[:bs] == b[:bs] else 0
+        prefix_hashes, "common_blocks", lambda a, b, bs, limit, guess=0: limit if a[:bs] == b[:bs] else 0
     )
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
     wrong = 0
@@ -141,6 +141,9 @@ def test_common_blocks_is_the_longest_equal_run(seed):
     ):
         expected += 1
     assert common_blocks(a, b, BLOCK, limit) == expected
+    # A guess (the last request's answer) is taken only where it is the answer.
+    for guess in range(limit + 2):
+        assert common_blocks(a, b, BLOCK, limit, guess) == expected, guess
 
 
 # --- the engine core's wrappers, on vLLM's real modules ---------------------------------------------

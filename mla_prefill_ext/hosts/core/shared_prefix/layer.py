@@ -51,17 +51,37 @@ def _kv_b_proj_input(impl: Any) -> Any:
     return lambda latent: kv_b_proj(latent.to(dtype))
 
 
+_CACHED = "_mla_shared_layer_parts"
+
+
+def _layer_parts(impl: Any) -> tuple[Any, LatentLayout, Any, Any]:
+    """The impl's projection, dims, merge and concat, made once per impl: the layer's host time is on
+    a step's critical path when the forward is host-bound (eager). No tensor is kept here (a KV
+    cache that vLLM allocates again must not stay alive through this)."""
+    parts = impl.__dict__.get(_CACHED)
+    if parts is None:
+        parts = (
+            _kv_b_proj_input(impl),
+            LatentLayout(impl.num_heads, impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim),
+            # The merge kernel vLLM's own context loop calls: the MLA module's binding.
+            functools.partial(vllm_merge, kernel=sys.modules[MLA_MODULE].merge_attn_states),
+            impl._concat_k_nope_k_pe,
+        )
+        impl.__dict__[_CACHED] = parts
+    return parts
+
+
 def layer_context(impl: Any, kv_cache: Any, k_scale: Any, workspace: Any) -> LayerContext:
     """What the shared path reads of vLLM's impl for one call: its cache, projection, dims and merge."""
+    kv_b_proj, dims, merge, concat_k = _layer_parts(impl)
     return LayerContext(
         kv_cache=kv_cache,
-        kv_b_proj=_kv_b_proj_input(impl),
-        dims=LatentLayout(impl.num_heads, impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim),
+        kv_b_proj=kv_b_proj,
+        dims=dims,
         workspace=workspace,
-        # The merge kernel vLLM's own context loop calls: the MLA module's binding.
-        merge=functools.partial(vllm_merge, kernel=sys.modules[MLA_MODULE].merge_attn_states),
+        merge=merge,
         gather=functools.partial(gather_latent, kv_cache_dtype=impl.kv_cache_dtype, scale=k_scale),
-        concat_k=impl._concat_k_nope_k_pe,
+        concat_k=concat_k,
     )
 
 

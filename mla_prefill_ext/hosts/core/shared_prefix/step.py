@@ -192,10 +192,11 @@ def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _Bu
         return
     device = prefill.query_start_loc.device
     # What can fail comes first, while the prefill metadata is still vLLM's own.
-    segments = {key: state.segments[key].prepare(plan, prefill) for key in backends}
-    shared = SharedStep(plan.to(device), {key: (b, segments[key]) for key, (b, _) in backends.items()})
+    on_device = plan.to(device)  # one copy for the layers and both instances' views
+    segments = {key: state.segments[key].prepare(plan, prefill, on_device) for key in backends}
+    shared = SharedStep(on_device, {key: (b, segments[key]) for key, (b, _) in backends.items()})
     previous = prefill.__dict__.get(CHUNKS_ATTR, _ABSENT)
-    attach_private_chunks(plan, prefill)
+    attach_private_chunks(plan, prefill, on_device)
     try:
         for _, prepare in backends.values():
             prepare(prefill)  # the private chunks, in place of vLLM's

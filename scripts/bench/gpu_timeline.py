@@ -1,0 +1,141 @@
+"""How busy the GPU was during a profiled call, and what the host did while it was idle.
+
+Reads a ``torch.profiler`` Chrome trace (``prof.export_chrome_trace``; plain or gzipped JSON):
+
+    python -m scripts.bench gpu_timeline TRACE.json[.gz] [--gap-ms 0.2] [--top 15]
+
+Device events (kernels, memcpy, memset) are merged into busy intervals; the window runs from the
+first host event to the last device event. Printed: the window, the device's busy time within
+it, the idle gaps of at least ``--gap-ms`` (largest first) with the host events that overlap each
+gap the most, and the host's waits on the device (synchronize calls, blocking copies) by name.
+A gap with an ``aten::`` or ``cuda*`` event over it is the host launching or waiting; one with
+nothing over it is Python between ops.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+HOST_CATEGORIES = frozenset({"cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation"})
+# Runtime calls in which the host waits for the device.
+WAIT_NAMES = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent", "cudaEventSynchronize")
+
+
+def load(path: str | Path) -> list[dict[str, Any]]:
+    """The trace's complete events (``ph`` "X"), in µs as the profiler writes them."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    data = json.loads(raw)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping or touching ``(start, end)`` intervals joined, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15) -> dict[str, Any]:
+    """Window, busy time, idle gaps and host waits of one trace (times in ms)."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    if not device or not host:
+        raise ValueError("the trace holds no device events or no host events")
+    busy = merge((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device)
+    begin = min(float(e["ts"]) for e in host)
+    end = busy[-1][1]
+    gaps = []
+    previous = begin
+    for start, stop in busy:
+        if start - previous >= gap_us:
+            gaps.append((previous, start))
+        previous = max(previous, stop)
+    gaps.sort(key=lambda g: g[1] - g[0], reverse=True)
+    listed = []
+    for g0, g1 in gaps[:top]:
+        over = sorted(
+            ((_overlap(g0, g1, float(e["ts"]), float(e["ts"]) + float(e["dur"])), e["name"]) for e in host),
+            reverse=True,
+        )
+        listed.append(
+            {
+                "at_ms": (g0 - begin) / 1e3,
+                "ms": (g1 - g0) / 1e3,
+                "host": [{"name": name[:100], "ms": ms / 1e3} for ms, name in over[:4] if ms > 0],
+            }
+        )
+    waits: dict[str, list[float]] = {}
+    for e in host:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(w in e["name"] for w in WAIT_NAMES):
+            waits.setdefault(e["name"], []).append(float(e["dur"]))
+    return {
+        "window_ms": (end - begin) / 1e3,
+        "device_busy_ms": sum(b - a for a, b in busy) / 1e3,
+        "idle_ms": sum(g1 - g0 for g0, g1 in gaps) / 1e3,
+        "gaps_counted": len(gaps),
+        "gap_threshold_ms": gap_us / 1e3,
+        "largest_gaps": listed,
+        "host_waits": {
+            name: {"calls": len(d), "ms": sum(d) / 1e3, "longest_ms": max(d) / 1e3}
+            for name, d in sorted(waits.items(), key=lambda kv: -sum(kv[1]))
+        },
+    }
+
+
+def lines(summary: dict[str, Any]) -> list[str]:
+    """The summary as printed."""
+    out = [
+        f"window {summary['window_ms']:.1f} ms, device busy {summary['device_busy_ms']:.1f} ms, "
+        f"idle in gaps >= {summary['gap_threshold_ms']:.2f} ms: {summary['idle_ms']:.1f} ms "
+        f"({summary['gaps_counted']} gaps)"
+    ]
+    for g in summary["largest_gaps"]:
+        over = "; ".join(f"{h['name']} {h['ms']:.2f}" for h in g["host"]) or "(no host event)"
+        out.append(f"  gap {g['ms']:7.2f} ms at {g['at_ms']:7.1f} ms: {over}")
+    for name, w in summary["host_waits"].items():
+        out.append(f"  wait {name}: {w['calls']} calls, {w['ms']:.2f} ms, longest {w['longest_ms']:.2f} ms")
+    return out
+
+
+def make_parser():
+    parser = common.parser(__doc__)
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--gap-ms", type=float, default=0.2, help="smallest idle gap listed")
+    parser.add_argument("--top", type=int, default=15, help="gaps listed, largest first")
+    parser.add_argument("--json", help="write the summary here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        summary = summarize(load(args.trace), gap_us=args.gap_ms * 1e3, top=args.top)
+    except ValueError as e:
+        print(f"gpu_timeline: {args.trace}: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines(summary)))
+    common.write_json(args.json, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

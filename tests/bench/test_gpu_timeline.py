@@ -1,0 +1,85 @@
+"""gpu_timeline: a profiler trace's GPU busy time, its idle gaps and the host's waits."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.bench import gpu_timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _event(cat: str, name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+
+# Host launches at 0, the device runs 50-150 and 140-160 (one busy interval), the host waits in a
+# synchronize 150-750 while the device idles, the device runs again 800-900.
+EVENTS = [
+    _event("cpu_op", "aten::mm", 0, 100),
+    _event("kernel", "gemm", 50, 100),
+    _event("kernel", "copy", 140, 20),
+    _event("cuda_runtime", "cudaStreamSynchronize", 150, 600),
+    _event("python_function", "step", 760, 30),
+    _event("kernel", "attention", 800, 100),
+    {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10},  # not a complete event: ignored
+]
+
+
+def test_busy_time_gaps_and_waits_of_a_trace():
+    s = gpu_timeline.summarize([e for e in EVENTS if e.get("ph") == "X"], gap_us=200)
+    assert s["window_ms"] == pytest.approx(0.9)
+    assert s["device_busy_ms"] == pytest.approx(0.21)  # 50-160 and 800-900
+    assert s["gaps_counted"] == 1 and s["idle_ms"] == pytest.approx(0.64)
+    (gap,) = s["largest_gaps"]
+    assert gap["at_ms"] == pytest.approx(0.16)
+    assert [h["name"] for h in gap["host"]] == ["cudaStreamSynchronize", "step"]
+    assert s["host_waits"]["cudaStreamSynchronize"] == {"calls": 1, "ms": 0.6, "longest_ms": 0.6}
+    # A gap below the threshold is not one.
+    assert gpu_timeline.summarize(EVENTS[:-1], gap_us=700)["gaps_counted"] == 0
+
+
+def test_merge_joins_overlapping_and_touching_intervals():
+    assert gpu_timeline.merge([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+
+
+def test_the_command_reads_a_gzipped_trace_and_writes_its_summary(tmp_path):
+    trace = tmp_path / "shared.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": EVENTS}).encode()))
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "gpu_timeline", str(trace), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "device busy 0.2 ms" in proc.stdout and "cudaStreamSynchronize" in proc.stdout
+    assert json.loads(out.read_text())["gaps_counted"] == 1
+
+
+def test_a_trace_without_device_events_is_refused_with_a_reason(tmp_path):
+    """A CPU-only profile (torch.profiler on this machine) has no kernels to measure against."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    trace = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(trace))
+    assert any(e.get("cat") == "cpu_op" for e in gpu_timeline.load(trace))
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "gpu_timeline", str(trace)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "no device events" in proc.stderr
