@@ -7,7 +7,8 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT bench-compiled  # the same engines compiled, CUDA graphs
 #   bash scripts/gpu_shared_prefix_suite.sh OUT control  # eager, the points that read below 0.97 on vLLM 0.25.1
 #                                                       # (private 8k, fresh) with two stock lifetimes and the
-#                                                       # path with and without its gathering: spread vs cost
+#                                                       # path with and without its gathering, each call's
+#                                                       # arrival traced: spread vs cost, within one split
 #   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
@@ -58,11 +59,11 @@ bench-compiled)
 control)
   stamp "control (eager): two stock lifetimes, the path with and without its gathering"
   "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:nogather \
-    --scenarios shared,private,fresh --prefix-lens 32768 --points 16x128,16x512 --private-points 16x128 \
-    --reps 6 --gpu-mem 0.2 --stop-after "${STOP_AFTER:-470}" --json "$out/engine-control.json" \
-    >"$out/engine-control.log" 2>&1
+    --scenarios shared,private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 \
+    --reps "${REPS:-10}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
+    --json "$out/engine-control.json" >"$out/engine-control.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|"
+  grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|\|arrived in steps\|calls by arrival"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3

@@ -112,6 +112,24 @@ def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:
     return {"requests": [[per[r].get(k) for k in keys] for r in order], "steps": steps}
 
 
+def arrival_split(trace: dict[str, Any]) -> list[int]:
+    """How a call's requests arrived in steps: per step that took any of them, how many (the first step
+    that began after the busy loop took a request schedules it; later steps of a chunked request and
+    steps that took none are left out). ``[16]``: all in one step; ``[10, 6]``: split by arrival. A
+    request never taken, or taken after the last step began, counts in a last entry of its own."""
+    begins = [b for b, _ in trace["steps"]]
+    per_step: dict[int, int] = {}
+    for request in trace["requests"]:
+        taken = request[3]
+        first = (
+            len(begins)
+            if taken is None
+            else next((i for i, b in enumerate(begins) if b >= taken), len(begins))
+        )
+        per_step[first] = per_step.get(first, 0) + 1
+    return [per_step[i] for i in sorted(per_step)]
+
+
 def timeline_lines(label: str, trace: dict[str, Any]) -> list[str]:
     """A call's trace as five lines (ms): sends, preprocessing begun and ended (the request is queued
     right after), taken by the busy loop, steps."""

@@ -49,7 +49,11 @@ cache it includes, the rest beyond it, and what the allocator reserves.
 ``--trace-arrivals`` (one GPU: the engine core in the worker's process): per timed call, when the driver
 sent each request, when the engine core's input thread began and ended preprocessing it, when the busy
 loop took it, and each step, in ms from the first send (``scripts/bench/arrival_trace.py``; printed and
-in the JSON as ``arrival_traces``).
+in the JSON as ``arrival_traces``), how each call's requests arrived in steps (``[16]``: one step,
+``[10, 6]``: split), and a table of the calls by that split, per side: count and median seconds of
+the calls taken in one step and of those split (``by_arrival_split``). A split call runs two
+forwards on any side, so a paired ratio over calls split differently mixes arrival with cost: compare
+the sides within one group.
 
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
 backend, ``examples/counting_backend.py``, a side of its own, not one of these).
@@ -65,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from . import arrival_trace, common, engine
-from .shared_prefix_table import Raw, cache_notes, markdown, tabulate
+from .shared_prefix_table import Raw, cache_notes, markdown, split_table, tabulate
 from .shared_prefix_workload import (
     SHARED_PREFIX_ENV,
     Point,
@@ -329,9 +333,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace_arrivals:
             core = engines[side].collective_rpc(arrival_trace.take_events)[0]
             trace = arrival_trace.timeline(arrival_trace.take_events(), core)
-            traces.append({"side": side, "requests": len(prompts), "prompt_len": len(prompts[0]), **trace})
+            split = arrival_trace.arrival_split(trace)
+            traces.append(
+                {
+                    "side": side,
+                    "requests": len(prompts),
+                    "prompt_len": len(prompts[0]),
+                    "seconds": took,
+                    "split": split,
+                    **trace,
+                }
+            )
             label = f"{side} {len(prompts)} x {len(prompts[0])} ({took * 1e3:.0f} ms)"
             print("\n".join(arrival_trace.timeline_lines(label, trace)), flush=True)
+            print(f"  arrived in steps {split}", flush=True)
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
             path_steps.append(
@@ -368,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
+    by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
     # Whether the path ran at all: each side's workers' counters (steps with shared segments,
     # steps whose short extends were routed) after the whole run.
     after = {label: engines[label].collective_rpc(engine.prefill_owners) for label in labels}
@@ -377,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = {label: engines[label].collective_rpc(engine.memory_peak) for label in labels}
     print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
+    if by_split:
+        print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
     common.write_json(
         args.json,
         {
@@ -389,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             "path_steps": path_steps,
             "memory": memory,
             "arrival_traces": traces,
+            "by_arrival_split": by_split,
         },
     )
     return 0

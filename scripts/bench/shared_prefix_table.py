@@ -108,3 +108,29 @@ def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
             elif cell["cache_as_planned"] is None:
                 notes.append(f"{side}, {row['key']}: vLLM reported no cached-token counts")
     return notes
+
+
+def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The traced calls grouped by how their requests arrived (``--trace-arrivals``): per point
+    (requests x prompt length) and side, the calls taken in one step and those split over more, each
+    as count and median seconds. Two sides compare only within one group: a call split by arrival
+    runs two forwards, whichever side it is (the paired ratios mix both)."""
+    groups: dict[tuple[int, int], dict[str, dict[str, list[float]]]] = {}
+    for t in traces:
+        if "seconds" not in t or "split" not in t:
+            continue
+        kind = "one step" if len(t["split"]) == 1 else "split"
+        cell = groups.setdefault((t["requests"], t["prompt_len"]), {}).setdefault(t["side"], {})
+        cell.setdefault(kind, []).append(t["seconds"])
+    if not groups:
+        return []
+    columns = ["B x prompt tokens", *(f"{s}: {k}" for s in sides for k in ("one step", "split"))]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for (requests, prompt_len), by_side in groups.items():
+        cells = [f"{requests} x {prompt_len}"]
+        for side in sides:
+            for kind in ("one step", "split"):
+                times = by_side.get(side, {}).get(kind, [])
+                cells.append(f"{len(times)}: {statistics.median(times):.3f}" if times else "0")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -36,6 +36,20 @@ def test_the_timeline_reads_each_request_in_the_order_sent_and_the_steps_after_t
     assert arrival_trace.timeline([], core) == {"requests": [], "steps": []}
 
 
+def _trace(taken: list[float | None], steps: list[tuple[float, float]]) -> dict:
+    return {"requests": [[0.0, 0.1, 0.2, t] for t in taken], "steps": steps}
+
+
+def test_a_calls_requests_arrive_in_the_first_step_that_begins_after_each_is_taken():
+    steps = [(1.0, 20.0), (21.0, 30.0), (31.0, 35.0)]  # the third: a chunk's continuation, no arrival
+    assert arrival_trace.arrival_split(_trace([0.5, 0.9, 0.95], steps)) == [3]
+    assert arrival_trace.arrival_split(_trace([0.5, 5.0, 20.5, 0.9], steps)) == [2, 2]
+    assert arrival_trace.arrival_split(_trace([1.0], steps)) == [1]  # taken as the step began: in it
+    # Taken after the last step began, or never: an entry of its own, after the steps'.
+    assert arrival_trace.arrival_split(_trace([0.5, 32.0, None], steps)) == [1, 2]
+    assert arrival_trace.arrival_split(_trace([0.5], [])) == [1]
+
+
 @pytest.fixture
 def traced_core(monkeypatch):
     core = importlib.import_module("vllm.v1.engine.core")

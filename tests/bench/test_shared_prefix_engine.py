@@ -17,7 +17,7 @@ import pytest
 
 from scripts.bench import engine
 from scripts.bench import shared_prefix_engine as bench
-from scripts.bench.shared_prefix_table import cache_notes, markdown, paired_ratio, tabulate
+from scripts.bench.shared_prefix_table import cache_notes, markdown, paired_ratio, split_table, tabulate
 from scripts.bench.shared_prefix_workload import (
     Point,
     build_points,
@@ -415,3 +415,26 @@ def test_memory_lines_say_the_peak_beyond_the_kv_cache():
         "memory FLASH_ATTN worker 0: peak allocated 30.00 GiB (KV cache 18.00 GiB, beyond it 12.00 GiB), "
         "reserved 31.00 GiB of 140.0 GiB"
     ]
+
+
+def test_traced_calls_are_compared_within_how_their_requests_arrived():
+    def call(side, seconds, split, prompt_len=8320):
+        return {"side": side, "requests": 16, "prompt_len": prompt_len, "seconds": seconds, "split": split}
+
+    traces = [
+        call("stock", 0.14, [16]),
+        call("FLASH_ATTN", 0.20, [10, 6]),
+        call("stock", 0.19, [12, 4]),
+        call("FLASH_ATTN", 0.15, [16]),
+        call("stock", 0.16, [16]),
+        call("FLASH_ATTN", 0.13, [16]),
+        call("stock", 0.03, [16], prompt_len=32),
+        {"side": "stock", "requests": 16, "prompt_len": 32, "requests_stamps": []},  # an older trace
+    ]
+    lines = split_table(traces, ["stock", "FLASH_ATTN"])
+    assert lines[0] == (
+        "| B x prompt tokens | stock: one step | stock: split | FLASH_ATTN: one step | FLASH_ATTN: split |"
+    )
+    assert lines[2] == "| 16 x 8320 | 2: 0.150 | 1: 0.190 | 2: 0.140 | 1: 0.200 |"
+    assert lines[3] == "| 16 x 32 | 1: 0.030 | 0 | 0 | 0 |"
+    assert split_table([], ["stock"]) == []
