@@ -143,6 +143,10 @@ class ContextPlan:
         passes = (*self.segment_passes, *self.private_passes)
         host = [self.segment_block_table, self.member_rows, self.segment_query_start_loc, self.private_starts]
         host += [t for p in passes for t in p[:4]]
+        if any(t.device.type != "cpu" for t in host):
+            if all(_is_on(t, device) for t in host):
+                return self  # moved already (a caller that did not keep the host plan)
+            raise ValueError(f"a plan's tensors are copied to {device} from the host only")
         moved = iter(_copy_as_one(host, device))
         table, rows, seg_loc, private_starts = (next(moved) for _ in range(4))
         moved_passes = [ContextPass(*(next(moved) for _ in range(4)), total=p.total) for p in passes]
@@ -156,6 +160,11 @@ class ContextPlan:
             private_starts=private_starts,
             private_passes=tuple(moved_passes[split:]),
         )
+
+
+def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    on = tensor.device
+    return on.type == device.type and (device.index is None or on.index == device.index)
 
 
 def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -7,9 +7,14 @@ Reads a ``torch.profiler`` Chrome trace (``prof.export_chrome_trace``; plain or 
 Device events (kernels, memcpy, memset) are merged into busy intervals; the window runs from the
 first host event to the last device event. Printed: the window, the device's busy time within
 it, the idle gaps of at least ``--gap-ms`` (largest first) with the host events that overlap each
-gap the most, and the host's waits on the device (synchronize calls, blocking copies) by name.
-A gap with an ``aten::`` or ``cuda*`` event over it is the host launching or waiting; one with
-nothing over it is Python between ops.
+gap the most, the host's waits on the device (synchronize calls, blocking copies) by name, and
+its asynchronous copies apart (they return at once from pinned memory; from pageable memory the
+host stages them, and their time is the host's).
+
+Host events nest (``aten::to`` > ``aten::_to_copy`` > ``aten::copy_`` > ``cudaMemcpyAsync``, all on one
+thread): a gap lists the innermost ones, each with the op it ran in (``cudaMemcpyAsync in
+aten::copy_``), not the wrappers around them. A gap with an ``aten::`` or ``cuda*`` event over it is
+the host launching or waiting; one with nothing over it is Python between ops.
 """
 
 from __future__ import annotations
@@ -25,8 +30,17 @@ from . import common
 
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_CATEGORIES = frozenset({"cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation"})
-# Runtime calls in which the host waits for the device.
-WAIT_NAMES = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent", "cudaEventSynchronize")
+RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+
+
+def is_wait(name: str) -> bool:
+    """A runtime call in which the host waits for the device: a synchronize or a blocking copy
+    (``cudaStreamWaitEvent`` makes the device wait, not the host)."""
+    return "Synchronize" in name or ("Memcpy" in name and "Async" not in name)
+
+
+def is_async_copy(name: str) -> bool:
+    return "Memcpy" in name and "Async" in name
 
 
 def load(path: str | Path) -> list[dict[str, Any]]:
@@ -54,6 +68,30 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def innermost(host: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str | None]]:
+    """The host events with no other event of their thread inside them, each with the name of the
+    innermost ``cpu_op`` around it (None: none)."""
+    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in host:
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    out = []
+    for events in threads.values():
+        events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[tuple[dict[str, Any], float, str | None, list[bool]]] = []
+        for e in events:
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            if stack:
+                stack[-1][3][0] = True  # the enclosing event has a child: not innermost
+            op = stack[-1][2] if stack else None
+            inner_op = e["name"] if e.get("cat") == "cpu_op" else op
+            flag = [False]
+            stack.append((e, end, inner_op, flag))
+            out.append((e, op, flag))
+    return [(e, op) for e, op, flag in out if not flag[0]]
+
+
 def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15) -> dict[str, Any]:
     """Window, busy time, idle gaps and host waits of one trace (times in ms)."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
@@ -70,10 +108,16 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15
             gaps.append((previous, start))
         previous = max(previous, stop)
     gaps.sort(key=lambda g: g[1] - g[0], reverse=True)
+    leaves = [
+        (e, f"{e['name']} in {op}" if op and op != e["name"] else e["name"]) for e, op in innermost(host)
+    ]
     listed = []
     for g0, g1 in gaps[:top]:
         over = sorted(
-            ((_overlap(g0, g1, float(e["ts"]), float(e["ts"]) + float(e["dur"])), e["name"]) for e in host),
+            (
+                (_overlap(g0, g1, float(e["ts"]), float(e["ts"]) + float(e["dur"])), name)
+                for e, name in leaves
+            ),
             reverse=True,
         )
         listed.append(
@@ -84,9 +128,20 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15
             }
         )
     waits: dict[str, list[float]] = {}
+    copies: dict[str, list[float]] = {}
     for e in host:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(w in e["name"] for w in WAIT_NAMES):
-            waits.setdefault(e["name"], []).append(float(e["dur"]))
+        if e.get("cat") in RUNTIME_CATEGORIES:
+            if is_wait(e["name"]):
+                waits.setdefault(e["name"], []).append(float(e["dur"]))
+            elif is_async_copy(e["name"]):
+                copies.setdefault(e["name"], []).append(float(e["dur"]))
+
+    def by_name(calls: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+        return {
+            name: {"calls": len(d), "ms": sum(d) / 1e3, "longest_ms": max(d) / 1e3}
+            for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1]))
+        }
+
     return {
         "window_ms": (end - begin) / 1e3,
         "device_busy_ms": sum(b - a for a, b in busy) / 1e3,
@@ -94,10 +149,8 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15
         "gaps_counted": len(gaps),
         "gap_threshold_ms": gap_us / 1e3,
         "largest_gaps": listed,
-        "host_waits": {
-            name: {"calls": len(d), "ms": sum(d) / 1e3, "longest_ms": max(d) / 1e3}
-            for name, d in sorted(waits.items(), key=lambda kv: -sum(kv[1]))
-        },
+        "host_waits": by_name(waits),
+        "host_async_copies": by_name(copies),
     }
 
 
@@ -113,6 +166,11 @@ def lines(summary: dict[str, Any]) -> list[str]:
         out.append(f"  gap {g['ms']:7.2f} ms at {g['at_ms']:7.1f} ms: {over}")
     for name, w in summary["host_waits"].items():
         out.append(f"  wait {name}: {w['calls']} calls, {w['ms']:.2f} ms, longest {w['longest_ms']:.2f} ms")
+    for name, w in summary.get("host_async_copies", {}).items():
+        out.append(
+            f"  async copy {name}: {w['calls']} calls, {w['ms']:.2f} ms on the host, "
+            f"longest {w['longest_ms']:.2f} ms"
+        )
     return out
 
 

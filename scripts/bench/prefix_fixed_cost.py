@@ -145,7 +145,10 @@ def write_trace(prof: Any, path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.trace is not None and not args.kernels:
+        parser.error("--trace writes the --kernels call's trace: give --kernels too")
     args.trees = {}
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     engine.prepare_driver()

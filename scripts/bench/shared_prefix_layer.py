@@ -114,9 +114,10 @@ def prepare(case: dict, cls: type, shared: bool, device: Any) -> tuple[Any, Any]
     from mla_prefill_ext.shared_prefix.views import SegmentInstance, attach_private_chunks
 
     d = R1_TP8
-    plan = plan_context(
+    host_plan = plan_context(
         case["table"].numpy(), case["context_lens"], case["loc"], BLOCK_SIZE, WORKSPACE_ROWS, shared=shared
-    ).to(device)
+    )
+    plan = host_plan.to(device)  # one copy, as the step makes it; the views below are of it
     loc = case["loc"]
     metadata = MLACommonPrefillMetadata(
         block_table=case["table"].to(device),
@@ -128,9 +129,9 @@ def prepare(case: dict, cls: type, shared: bool, device: Any) -> tuple[Any, Any]
     metadata.query_start_loc_cpu = loc
     backend = cls(vllm_config=None, scale=(d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5, **d)
     segments = SegmentInstance(backend, device)
-    attach_private_chunks(plan, metadata)
+    attach_private_chunks(host_plan, metadata, on_device=plan)
     backend.prepare_metadata(metadata)
-    segment_backend = segments.prepare(plan, metadata)
+    segment_backend = segments.prepare(host_plan, metadata, on_device=plan)
     workspace = torch.empty(WORKSPACE_ROWS, case["cache"].shape[-1], dtype=torch.bfloat16, device=device)
     dims = LatentLayout(d["num_heads"], d["kv_lora_rank"], d["qk_nope_head_dim"], d["v_head_dim"])
 

@@ -45,6 +45,32 @@ def test_busy_time_gaps_and_waits_of_a_trace():
     assert gpu_timeline.summarize(EVENTS[:-1], gap_us=700)["gaps_counted"] == 0
 
 
+def test_a_gap_lists_the_innermost_host_events_and_async_copies_are_not_waits():
+    """Nested host events on one thread: the gap names the copy and its op, not the wrappers."""
+    events = [
+        _event("python_function", "forward", 0, 1000),
+        _event("kernel", "gemm", 0, 150),
+        _event("cpu_op", "aten::to", 200, 500),
+        _event("cpu_op", "aten::copy_", 210, 480),
+        _event("cuda_runtime", "cudaMemcpyAsync", 220, 460),
+        _event("cuda_runtime", "cudaStreamWaitEvent", 700, 5),  # the device waits, not the host
+        {**_event("cpu_op", "aten::index", 300, 400), "tid": 2},  # another thread: its own nesting
+        _event("kernel", "attention", 800, 100),
+    ]
+    s = gpu_timeline.summarize(events, gap_us=200)
+    (gap,) = s["largest_gaps"]
+    assert [h["name"] for h in gap["host"]] == [
+        "cudaMemcpyAsync in aten::copy_",
+        "aten::index",
+        "cudaStreamWaitEvent",
+    ]
+    assert s["host_waits"] == {}
+    assert s["host_async_copies"]["cudaMemcpyAsync"]["ms"] == pytest.approx(0.46)
+    assert gpu_timeline.is_wait("cudaMemcpy") and gpu_timeline.is_wait("cudaDeviceSynchronize")
+    assert not gpu_timeline.is_wait("cudaMemcpyAsync") and not gpu_timeline.is_wait("cudaStreamWaitEvent")
+    assert any("async copy cudaMemcpyAsync: 1 calls" in line for line in gpu_timeline.lines(s))
+
+
 def test_merge_joins_overlapping_and_touching_intervals():
     assert gpu_timeline.merge([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
 

@@ -302,3 +302,14 @@ def test_prefix_fixed_cost_lists_kernels_by_device_time():
     assert rows == [{"kernel": "gemm", "calls": 122, "seconds": pytest.approx(0.05)}]
     parsed = prefix_fixed_cost.make_parser().parse_args(["--side", "FLASH_ATTN", "--kernels"])
     assert (parsed.side, parsed.kernels) == ("FLASH_ATTN", True)
+
+
+def test_prefix_fixed_cost_refuses_a_trace_without_the_profiled_call(tmp_path, capsys):
+    """--trace writes the --kernels call's trace: alone it would be ignored, so it is refused before
+    any engine starts."""
+    from scripts.bench import prefix_fixed_cost
+
+    with pytest.raises(SystemExit) as exit_info:
+        prefix_fixed_cost.main(["--trace", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "give --kernels too" in capsys.readouterr().err

@@ -91,6 +91,17 @@ def test_the_plan_goes_to_the_device_as_one_buffer_of_the_same_values():
     assert len(buffers) == 1  # views of one copy
 
 
+def test_a_plan_on_the_device_already_is_not_copied_again():
+    """A caller that kept only the moved plan hands it on; the copy reads host memory only."""
+    step = make_step()
+    plan = plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 7 * BS)
+    moved = plan.to("meta")  # a device whose tensors cannot be read back on the host
+    assert moved.segment_block_table.device.type == "meta"
+    assert moved.to("meta") is moved and moved.to(torch.device("meta")) is moved
+    with pytest.raises(ValueError, match="from the host only"):
+        moved.to("cpu")
+
+
 def test_without_shared_segments_the_plan_is_vllms():
     """vLLM 0.20's builder: an equal share per request with context, rounded down to the page."""
     step = make_step()

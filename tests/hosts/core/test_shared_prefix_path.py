@@ -177,6 +177,27 @@ def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
     assert result["error"] <= TOLERANCE, result
 
 
+def test_a_layers_parts_are_made_once_and_again_when_its_projection_changes(activated, model_dirs):
+    from mla_prefill_ext.hosts.core.shared_prefix.layer import _CACHED, _layer_parts, layer_context
+
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    impl = build_layer(cfg, None).impl
+    parts = _layer_parts(impl)
+    assert _layer_parts(impl) is parts  # the next layer call: nothing made again
+    assert parts[1].num_heads == impl.num_heads and parts[1].kv_lora_rank == LORA
+    # Nothing cached refers back to the impl: vLLM dropping it frees its weights at once.
+    cached = impl.__dict__[_CACHED]
+    assert all(getattr(part, "__self__", None) is not impl for part in (*cached, *parts))
+    context = layer_context(impl, None, None, None)
+    assert context.concat_k.__self__ is impl and context.kv_b_proj is parts[0]
+    # A projection replaced or requantized after loading: the parts follow it.
+    impl.kv_b_proj = type(impl.kv_b_proj)(LORA, impl.num_heads * (NOPE + DV), bias=False)
+    replaced = _layer_parts(impl)
+    assert replaced is not parts and _layer_parts(impl) is replaced
+    impl.kv_b_proj.weight.data = impl.kv_b_proj.weight.data.to(torch.float16)
+    assert _layer_parts(impl) is not replaced
+
+
 def test_a_shared_prefix_longer_than_the_workspace_takes_several_passes(
     activated, model_dirs, small_groups_pay
 ):

@@ -54,26 +54,34 @@ def _kv_b_proj_input(impl: Any) -> Any:
 _CACHED = "_mla_shared_layer_parts"
 
 
-def _layer_parts(impl: Any) -> tuple[Any, LatentLayout, Any, Any]:
-    """The impl's projection, dims, merge and concat, made once per impl: the layer's host time is on
-    a step's critical path when the forward is host-bound (eager). No tensor is kept here (a KV
-    cache that vLLM allocates again must not stay alive through this)."""
-    parts = impl.__dict__.get(_CACHED)
-    if parts is None:
+def _projection_key(impl: Any) -> tuple[Any, Any]:
+    kv_b_proj = impl.kv_b_proj
+    return kv_b_proj, getattr(getattr(kv_b_proj, "weight", None), "dtype", None)
+
+
+def _layer_parts(impl: Any) -> tuple[Any, LatentLayout, Any]:
+    """The impl's projection, dims and merge, made once per impl: the layer's host time is on a
+    step's critical path when the forward is host-bound (eager). Made again when the impl's
+    ``kv_b_proj`` or its weight's dtype changes (a module replaced or requantized after loading).
+    Nothing here refers back to the impl (no bound method: the impl and its weights must go when
+    vLLM drops them, without waiting for the cycle collector)."""
+    key = _projection_key(impl)
+    cached = impl.__dict__.get(_CACHED)
+    if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
         parts = (
             _kv_b_proj_input(impl),
             LatentLayout(impl.num_heads, impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim),
             # The merge kernel vLLM's own context loop calls: the MLA module's binding.
             functools.partial(vllm_merge, kernel=sys.modules[MLA_MODULE].merge_attn_states),
-            impl._concat_k_nope_k_pe,
         )
-        impl.__dict__[_CACHED] = parts
-    return parts
+        cached = (*key, parts)
+        impl.__dict__[_CACHED] = cached
+    return cached[2]
 
 
 def layer_context(impl: Any, kv_cache: Any, k_scale: Any, workspace: Any) -> LayerContext:
     """What the shared path reads of vLLM's impl for one call: its cache, projection, dims and merge."""
-    kv_b_proj, dims, merge, concat_k = _layer_parts(impl)
+    kv_b_proj, dims, merge = _layer_parts(impl)
     return LayerContext(
         kv_cache=kv_cache,
         kv_b_proj=kv_b_proj,
@@ -81,7 +89,7 @@ def layer_context(impl: Any, kv_cache: Any, k_scale: Any, workspace: Any) -> Lay
         workspace=workspace,
         merge=merge,
         gather=functools.partial(gather_latent, kv_cache_dtype=impl.kv_cache_dtype, scale=k_scale),
-        concat_k=concat_k,
+        concat_k=impl._concat_k_nope_k_pe,
     )
 
 

@@ -59,7 +59,13 @@ def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, guess
         return 0
     if 0 < guess < limit:
         at = guess * block_size
-        if a[at : at + block_size] != b[at : at + block_size] and a[:at] == b[:at]:
+        # The guess's last block and the block after it first (two blocks' slices): a wrong guess
+        # then costs no copy of the whole shared part.
+        if (
+            a[at - block_size : at] == b[at - block_size : at]
+            and a[at : at + block_size] != b[at : at + block_size]
+            and a[:at] == b[:at]
+        ):
             return guess
     end = limit * block_size
     # Slicing a 32k-token list costs more than comparing it: whole lists are compared as they are.
