@@ -11,6 +11,7 @@ their own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -167,10 +168,21 @@ def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
     return on.type == device.type and (device.index is None or on.index == device.index)
 
 
+@functools.cache
+def _can_pin() -> bool:
+    """vLLM's own answer (no pinned memory under WSL, for one); asked once per process."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_pin_memory_available())
+    except Exception:  # no vLLM here (the plan's own tests): torch's view
+        return torch.cuda.is_available()
+
+
 def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` (host, integers) on ``device`` as int32 views of one buffer copied at once."""
     sizes = [t.numel() for t in tensors]
-    pinned = device.type == "cuda"
+    pinned = device.type == "cuda" and _can_pin()
     host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=pinned)
     if tensors:
         torch.cat([t.reshape(-1).to(torch.int32) for t in tensors], out=host)

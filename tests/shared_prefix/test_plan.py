@@ -138,3 +138,18 @@ def test_a_workspace_too_small_for_a_page_per_sequence_is_refused():
     step = make_step()
     with pytest.raises(ValueError, match="do not fit"):
         plan_context(step.table.numpy(), step.context_lens, step.query_start_loc, BS, 5 * BS)
+
+
+def test_the_plan_is_pinned_only_where_vllm_says_pinned_memory_is_available(monkeypatch):
+    """Under WSL, for one, vLLM pins nothing: the plan's copy then comes from pageable memory."""
+    from vllm.platforms import current_platform
+
+    from mla_prefill_ext.shared_prefix import plan as plan_module
+
+    for answer in (False, True):
+        monkeypatch.setattr(
+            type(current_platform), "is_pin_memory_available", classmethod(lambda cls, answer=answer: answer)
+        )
+        plan_module._can_pin.cache_clear()
+        assert plan_module._can_pin() is answer
+    plan_module._can_pin.cache_clear()
