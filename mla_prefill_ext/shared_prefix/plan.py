@@ -164,8 +164,13 @@ class ContextPlan:
 
 
 def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is where ``.to(device)`` would put it ("cuda": the current device)."""
     on = tensor.device
-    return on.type == device.type and (device.index is None or on.index == device.index)
+    if on.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return on.index == torch.cuda.current_device()
+    return device.index is None or on.index == device.index
 
 
 @functools.cache
@@ -175,7 +180,7 @@ def _can_pin() -> bool:
         from vllm.platforms import current_platform
 
         return bool(current_platform.is_pin_memory_available())
-    except Exception:  # no vLLM here (the plan's own tests): torch's view
+    except ImportError:  # no vLLM here: torch's view
         return torch.cuda.is_available()
 
 

@@ -22,6 +22,7 @@ MEASUREMENTS = {
     "first_request": "start-up time and first-wave latency after a fresh start, per side",
     "serve_load": "load on a real `vllm serve` after a fresh start, per side",
     "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
+    "layer_host_cost": "one MLA layer's host time in a fresh-prefill step, stock and the add-on (CPU)",
     "prefix_host_cost": "vLLM's host time per part for requests over a cached prefix, no GPU (CPU)",
     "prefix_fixed_cost": "where a call over a cached prefix spends its time, by function, in-process (GPU)",
     "gpu_timeline": "a profiled call's GPU busy time, idle gaps and what the host did in them (a trace)",

@@ -112,20 +112,21 @@ def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:
     return {"requests": [[per[r].get(k) for k in keys] for r in order], "steps": steps}
 
 
-def arrival_split(trace: dict[str, Any]) -> list[int]:
+def arrival_split(trace: dict[str, Any]) -> list[int] | None:
     """How a call's requests arrived in steps: per step that took any of them, how many (the first step
     that began after the busy loop took a request schedules it; later steps of a chunked request and
-    steps that took none are left out). ``[16]``: all in one step; ``[10, 6]``: split by arrival. A
-    request never taken, or taken after the last step began, counts in a last entry of its own."""
+    steps that took none are left out). ``[16]``: all in one step; ``[10, 6]``: split by arrival.
+    None where the trace cannot say: no request, or one the busy loop was never seen taking, or taken
+    after the last step began."""
     begins = [b for b, _ in trace["steps"]]
+    requests = trace["requests"]
+    if not requests or any(r[3] is None for r in requests):
+        return None
     per_step: dict[int, int] = {}
-    for request in trace["requests"]:
-        taken = request[3]
-        first = (
-            len(begins)
-            if taken is None
-            else next((i for i, b in enumerate(begins) if b >= taken), len(begins))
-        )
+    for request in requests:
+        first = next((i for i, b in enumerate(begins) if b >= request[3]), None)
+        if first is None:
+            return None
         per_step[first] = per_step.get(first, 0) + 1
     return [per_step[i] for i in sorted(per_step)]
 

@@ -8,13 +8,15 @@ Device events (kernels, memcpy, memset) are merged into busy intervals; the wind
 first host event to the last device event. Printed: the window, the device's busy time within
 it, the idle gaps of at least ``--gap-ms`` (largest first) with the host events that overlap each
 gap the most, the host's waits on the device (synchronize calls, blocking copies) by name, and
-its asynchronous copies apart (they return at once from pinned memory; from pageable memory the
-host stages them, and their time is the host's).
+next to them its asynchronous copies: one between the device and pinned memory returns at once; one
+from pageable memory is staged by the host, and one into pageable memory waits for the device, so
+their host time may be waiting too.
 
 Host events nest (``aten::to`` > ``aten::_to_copy`` > ``aten::copy_`` > ``cudaMemcpyAsync``, all on one
-thread): a gap lists the innermost ones, each with the op it ran in (``cudaMemcpyAsync in
-aten::copy_``), not the wrappers around them. A gap with an ``aten::`` or ``cuda*`` event over it is
-the host launching or waiting; one with nothing over it is Python between ops.
+thread): a gap credits each event with its own time only (less its children's), named with the op it
+ran in (``cudaMemcpyAsync in aten::copy_``). A gap with an ``aten::`` or ``cuda*`` event's own time over
+it is the host launching or waiting; one with a Python function's own time, or nothing, over it is
+Python between ops.
 """
 
 from __future__ import annotations
@@ -68,28 +70,39 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def innermost(host: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str | None]]:
-    """The host events with no other event of their thread inside them, each with the name of the
-    innermost ``cpu_op`` around it (None: none)."""
+def own_time(host: list[dict[str, Any]]) -> list[tuple[str, list[tuple[float, float]]]]:
+    """Each host event's own time: its interval less its children's (the events of its thread that
+    begin inside it), labelled with the innermost ``cpu_op`` around it (``cudaMemcpyAsync in
+    aten::copy_``). An event that outlives its parent counts as its child up to the parent's end."""
     threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for e in host:
         threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     out = []
     for events in threads.values():
         events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-        stack: list[tuple[dict[str, Any], float, str | None, list[bool]]] = []
+        # Open events: (end, the op a child runs in, the children's intervals)
+        stack: list[tuple[float, str | None, list[tuple[float, float]]]] = []
+        entries = []
         for e in events:
             start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-            while stack and stack[-1][1] <= start:
-                stack.pop()
+            stack = [entry for entry in stack if entry[0] > start]  # every ended one, not only the top
+            op = stack[-1][1] if stack else None
             if stack:
-                stack[-1][3][0] = True  # the enclosing event has a child: not innermost
-            op = stack[-1][2] if stack else None
-            inner_op = e["name"] if e.get("cat") == "cpu_op" else op
-            flag = [False]
-            stack.append((e, end, inner_op, flag))
-            out.append((e, op, flag))
-    return [(e, op) for e, op, flag in out if not flag[0]]
+                stack[-1][2].append((start, min(end, stack[-1][0])))
+            children: list[tuple[float, float]] = []
+            stack.append((end, e["name"] if e.get("cat") == "cpu_op" else op, children))
+            label = f"{e['name']} in {op}" if op and op != e["name"] else e["name"]
+            entries.append((label, (start, end), children))
+        for label, (start, end), children in entries:
+            own, at = [], start
+            for c0, c1 in merge(children):
+                if c0 > at:
+                    own.append((at, c0))
+                at = max(at, c1)
+            if end > at:
+                own.append((at, end))
+            out.append((label, own))
+    return out
 
 
 def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15) -> dict[str, Any]:
@@ -108,17 +121,11 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 200.0, top: int = 15
             gaps.append((previous, start))
         previous = max(previous, stop)
     gaps.sort(key=lambda g: g[1] - g[0], reverse=True)
-    leaves = [
-        (e, f"{e['name']} in {op}" if op and op != e["name"] else e["name"]) for e, op in innermost(host)
-    ]
+    owned = own_time(host)
     listed = []
     for g0, g1 in gaps[:top]:
         over = sorted(
-            (
-                (_overlap(g0, g1, float(e["ts"]), float(e["ts"]) + float(e["dur"])), name)
-                for e, name in leaves
-            ),
-            reverse=True,
+            ((sum(_overlap(g0, g1, a, b) for a, b in spans), name) for name, spans in owned), reverse=True
         )
         listed.append(
             {

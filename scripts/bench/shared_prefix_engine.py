@@ -97,15 +97,16 @@ def take_turns(
     reps: int,
     vocab: int,
     warm: Callable[[str, list[list[int]]], None],
-    timed: Callable[[str, list[list[int]], int], Timed],
+    timed: Callable[[str, list[list[int]], Point, int], Timed],
     after_repetition: Callable[[int, list[str], dict[str, Raw]], bool] = lambda rep, order, raw: True,
 ) -> dict[str, Raw]:
     """Run the repetitions: repetition 0 untimed, then ``reps`` timed; in each, every point, its
     prefixes warmed on every side, then the same prompts timed on every side in a rotated order.
 
     Returns the raw results, ``seconds``, ``cached_tokens`` and ``output_tokens``: each side -> point
-    key -> one value per timed repetition. ``after_repetition(rep, order, raw)`` is called after each
-    repetition with the results so far; False stops the run there.
+    key -> one value per timed repetition. ``timed(side, prompts, point, rep)`` runs one call (``rep``
+    0: the untimed warm-up). ``after_repetition(rep, order, raw)`` is called after each repetition with
+    the results so far; False stops the run there.
     """
     seconds: Raw = {s: {} for s in sides}
     cached: Raw = {s: {} for s in sides}
@@ -120,7 +121,7 @@ def take_turns(
                     warm(side, prefixes)
             prompts = timed_prompts(point, rep, vocab)
             for side in order:
-                took, hit, produced = timed(side, prompts, point.max_tokens)
+                took, hit, produced = timed(side, prompts, point, rep)
                 if rep:  # repetition 0 warms every shape up
                     seconds[side].setdefault(point.key, []).append(took)
                     cached[side].setdefault(point.key, []).append(hit)
@@ -320,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
 
     path_steps: list[dict[str, Any]] = []  # per timed call: how many steps, routed, with segments
 
-    def timed(side: str, prompts: list[list[int]], max_tokens: int) -> Timed:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    def timed(side: str, prompts: list[list[int]], point: Point, rep: int) -> Timed:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=point.max_tokens, ignore_eos=True, detokenize=False
+        )
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         before = path_counters(engines[side])  # outside the timing
         if args.trace_arrivals:  # earlier calls' stamps dropped
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             traces.append(
                 {
                     "side": side,
+                    "point": point.key,
+                    "rep": rep,  # 0: the untimed warm-up
                     "requests": len(prompts),
                     "prompt_len": len(prompts[0]),
                     "seconds": took,

@@ -111,23 +111,24 @@ def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
-    """The traced calls grouped by how their requests arrived (``--trace-arrivals``): per point
-    (requests x prompt length) and side, the calls taken in one step and those split over more, each
-    as count and median seconds. Two sides compare only within one group: a call split by arrival
-    runs two forwards, whichever side it is (the paired ratios mix both)."""
-    groups: dict[tuple[int, int], dict[str, dict[str, list[float]]]] = {}
+    """The timed calls grouped by how their requests arrived (``--trace-arrivals``): per point and
+    side, the calls taken in one step and those split over more, each as count and median seconds
+    (the untimed warm-up calls and calls whose split the trace cannot say are left out). Two sides
+    compare only within one group: a call split by arrival runs one more forward, whichever side it
+    is (the paired ratios mix both)."""
+    groups: dict[str, dict[str, dict[str, list[float]]]] = {}
     for t in traces:
-        if "seconds" not in t or "split" not in t:
+        if not t.get("rep") or t.get("split") is None or "point" not in t:
             continue
         kind = "one step" if len(t["split"]) == 1 else "split"
-        cell = groups.setdefault((t["requests"], t["prompt_len"]), {}).setdefault(t["side"], {})
+        cell = groups.setdefault(t["point"], {}).setdefault(t["side"], {})
         cell.setdefault(kind, []).append(t["seconds"])
     if not groups:
         return []
-    columns = ["B x prompt tokens", *(f"{s}: {k}" for s in sides for k in ("one step", "split"))]
+    columns = ["point", *(f"{s}: {k}" for s in sides for k in ("one step", "split"))]
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
-    for (requests, prompt_len), by_side in groups.items():
-        cells = [f"{requests} x {prompt_len}"]
+    for point, by_side in groups.items():
+        cells = [point]
         for side in sides:
             for kind in ("one step", "split"):
                 times = by_side.get(side, {}).get(kind, [])

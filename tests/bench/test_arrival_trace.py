@@ -45,9 +45,11 @@ def test_a_calls_requests_arrive_in_the_first_step_that_begins_after_each_is_tak
     assert arrival_trace.arrival_split(_trace([0.5, 0.9, 0.95], steps)) == [3]
     assert arrival_trace.arrival_split(_trace([0.5, 5.0, 20.5, 0.9], steps)) == [2, 2]
     assert arrival_trace.arrival_split(_trace([1.0], steps)) == [1]  # taken as the step began: in it
-    # Taken after the last step began, or never: an entry of its own, after the steps'.
-    assert arrival_trace.arrival_split(_trace([0.5, 32.0, None], steps)) == [1, 2]
-    assert arrival_trace.arrival_split(_trace([0.5], [])) == [1]
+    # What the trace cannot say: a request never seen taken, one taken after the last step began, none.
+    assert arrival_trace.arrival_split(_trace([0.5, None], steps)) is None
+    assert arrival_trace.arrival_split(_trace([0.5, 32.0], steps)) is None
+    assert arrival_trace.arrival_split(_trace([0.5], [])) is None
+    assert arrival_trace.arrival_split(_trace([], steps)) is None
 
 
 @pytest.fixture

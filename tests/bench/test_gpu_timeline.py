@@ -45,30 +45,44 @@ def test_busy_time_gaps_and_waits_of_a_trace():
     assert gpu_timeline.summarize(EVENTS[:-1], gap_us=700)["gaps_counted"] == 0
 
 
-def test_a_gap_lists_the_innermost_host_events_and_async_copies_are_not_waits():
-    """Nested host events on one thread: the gap names the copy and its op, not the wrappers."""
+def test_a_gap_credits_each_host_event_with_its_own_time_and_async_copies_are_not_waits():
+    """Nested host events on one thread: each counts its time less its children's."""
     events = [
         _event("python_function", "forward", 0, 1000),
         _event("kernel", "gemm", 0, 150),
         _event("cpu_op", "aten::to", 200, 500),
         _event("cpu_op", "aten::copy_", 210, 480),
         _event("cuda_runtime", "cudaMemcpyAsync", 220, 460),
+        _event("cuda_runtime", "cudaGetDevice", 230, 0),  # no time: takes none from its parent
         _event("cuda_runtime", "cudaStreamWaitEvent", 700, 5),  # the device waits, not the host
         {**_event("cpu_op", "aten::index", 300, 400), "tid": 2},  # another thread: its own nesting
         _event("kernel", "attention", 800, 100),
     ]
     s = gpu_timeline.summarize(events, gap_us=200)
-    (gap,) = s["largest_gaps"]
-    assert [h["name"] for h in gap["host"]] == [
-        "cudaMemcpyAsync in aten::copy_",
-        "aten::index",
-        "cudaStreamWaitEvent",
+    (gap,) = s["largest_gaps"]  # 150-800
+    assert [(h["name"], round(h["ms"], 3)) for h in gap["host"]] == [
+        ("cudaMemcpyAsync in aten::copy_", 0.46),
+        ("aten::index", 0.4),
+        ("forward", 0.145),  # 150-200 and 705-800: its own Python around the ops
+        ("aten::to", 0.02),
     ]
     assert s["host_waits"] == {}
     assert s["host_async_copies"]["cudaMemcpyAsync"]["ms"] == pytest.approx(0.46)
     assert gpu_timeline.is_wait("cudaMemcpy") and gpu_timeline.is_wait("cudaDeviceSynchronize")
     assert not gpu_timeline.is_wait("cudaMemcpyAsync") and not gpu_timeline.is_wait("cudaStreamWaitEvent")
     assert any("async copy cudaMemcpyAsync: 1 calls" in line for line in gpu_timeline.lines(s))
+
+
+def test_an_event_that_outlives_its_parent_is_its_child_up_to_the_parents_end():
+    crossing = [
+        _event("user_annotation", "A", 150, 400),  # 150-550
+        _event("cpu_op", "B", 300, 500),  # 300-800: begins in A, ends after it
+        _event("cuda_runtime", "cudaLaunchKernel", 600, 50),  # in B, after A ended
+    ]
+    owned = dict(gpu_timeline.own_time(crossing))
+    assert owned["A"] == [(150.0, 300.0)]
+    assert owned["B"] == [(300.0, 600.0), (650.0, 800.0)]
+    assert owned["cudaLaunchKernel in B"] == [(600.0, 650.0)]
 
 
 def test_merge_joins_overlapping_and_touching_intervals():

@@ -193,9 +193,12 @@ def test_every_repetition_warms_then_times_every_side_in_a_rotating_order():
     def warm(side, prompts):
         calls.append(("warm", side, len(prompts)))
 
-    def timed(side, prompts, max_tokens):
+    reps_seen = []
+
+    def timed(side, prompts, point, rep):
         calls.append(("timed", side, tuple(map(tuple, prompts))))
-        return float(len(calls)), 0, len(prompts) * max_tokens  # "seconds": the call's number
+        reps_seen.append(rep)
+        return float(len(calls)), 0, len(prompts) * point.max_tokens  # "seconds": the call's number
 
     orders = []
     raw = bench.take_turns(
@@ -204,6 +207,7 @@ def test_every_repetition_warms_then_times_every_side_in_a_rotating_order():
     assert orders == [sides, ["A", "A:noshare", "stock"], ["A:noshare", "stock", "A"], sides]
     per_rep = 2 * len(sides) + len(sides)  # the shared point's warm-ups and timed runs, the fresh point's
     assert len(calls) == 4 * per_rep
+    assert reps_seen == [rep for rep in range(4) for _ in range(2 * len(sides))]
     for rep in range(4):
         block = calls[rep * per_rep : (rep + 1) * per_rep]
         assert block[:3] == [("warm", s, 1) for s in sides]  # before any timed run of that point
@@ -418,8 +422,8 @@ def test_memory_lines_say_the_peak_beyond_the_kv_cache():
 
 
 def test_traced_calls_are_compared_within_how_their_requests_arrived():
-    def call(side, seconds, split, prompt_len=8320):
-        return {"side": side, "requests": 16, "prompt_len": prompt_len, "seconds": seconds, "split": split}
+    def call(side, seconds, split, point="private P=8192 B=16 N=128", rep=1):
+        return {"side": side, "point": point, "rep": rep, "seconds": seconds, "split": split}
 
     traces = [
         call("stock", 0.14, [16]),
@@ -428,13 +432,16 @@ def test_traced_calls_are_compared_within_how_their_requests_arrived():
         call("FLASH_ATTN", 0.15, [16]),
         call("stock", 0.16, [16]),
         call("FLASH_ATTN", 0.13, [16]),
-        call("stock", 0.03, [16], prompt_len=32),
-        {"side": "stock", "requests": 16, "prompt_len": 32, "requests_stamps": []},  # an older trace
+        # Same batch and prompt length, another point: a group of its own.
+        call("stock", 0.5, [16], point="shared P=8192 B=16 N=128"),
+        call("stock", 9.9, [16], rep=0),  # the untimed warm-up
+        call("FLASH_ATTN", 9.9, None),  # a split the trace cannot say
+        {"side": "stock", "requests": 16, "prompt_len": 32},  # an older trace
     ]
     lines = split_table(traces, ["stock", "FLASH_ATTN"])
-    assert lines[0] == (
-        "| B x prompt tokens | stock: one step | stock: split | FLASH_ATTN: one step | FLASH_ATTN: split |"
-    )
-    assert lines[2] == "| 16 x 8320 | 2: 0.150 | 1: 0.190 | 2: 0.140 | 1: 0.200 |"
-    assert lines[3] == "| 16 x 32 | 1: 0.030 | 0 | 0 | 0 |"
+    assert lines[0] == "| point | stock: one step | stock: split | FLASH_ATTN: one step | FLASH_ATTN: split |"
+    assert lines[2:] == [
+        "| private P=8192 B=16 N=128 | 2: 0.150 | 1: 0.190 | 2: 0.140 | 1: 0.200 |",
+        "| shared P=8192 B=16 N=128 | 1: 0.500 | 0 | 0 | 0 |",
+    ]
     assert split_table([], ["stock"]) == []
