@@ -18,14 +18,20 @@ Hopper), for one step of ``--requests`` prompts of ``--new`` tokens each:
   forward_mha  one layer's ``MLACommonImpl.forward_mha`` over the step's new tokens
   build        the builder's ``build()`` of the step
 
-``stock``: the add-on deactivated (vLLM's own ``_run_prefill_new_tokens_fa``); ``add-on``: activated,
-FLASH_ATTN selected. FlashAttention's varlen kernel is replaced, for both sides alike, by a stand-in
-that allocates its outputs; every other op runs on the CPU (``kv_b_proj``, the concat of k, the output
+``stock``: the add-on deactivated (vLLM's own ``_run_prefill_new_tokens_fa``); ``stock:2``: a second
+stock layer and builder, what two instances of the same code differ by (the floor); ``add-on``:
+activated, FLASH_ATTN selected. The three layers share one seeded ``kv_b_proj`` weight.
+FlashAttention's varlen kernel is replaced, for every side alike, by a stand-in that allocates its
+outputs; every other op runs on the CPU (``kv_b_proj``, the concat of k, the output
 copy), kept small by ``--heads`` and ``--new`` (the host work does not depend on them). Before timing,
-one call per side checks which code ran (the add-on's backend on its side only). The sides take turns
-in blocks of ``--calls`` forward calls and five builds, ``--rounds`` times; per side the median, p10
-and p90 (µs), and the median over rounds of the paired difference (add-on minus stock, one block
-each). vLLM 0.23+ is not covered: its own FLASH_ATTN prefill backend does not import on a CPU wheel.
+one step per side checks which code ran (the add-on's step preparation and backend on its side only).
+The sides take turns in blocks of ``--calls`` forward calls and five builds, ``--rounds`` times, each
+side first in turn; per side the median, p10 and p90 (µs), and the median over rounds of the paired
+differences (add-on minus stock, stock:2 minus stock, one block each).
+
+Not measured here: the add-on's other per-step code (the model runner's batch-reorder wrapper, the
+block table's device-view wrapper, the engine core's hasher, prefix-hit reuse and arrival wrappers),
+and vLLM 0.23+, whose own FLASH_ATTN prefill backend does not import on a CPU wheel.
 """
 
 from __future__ import annotations
@@ -176,19 +182,59 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.new < 2:
         parser.error("--new must be at least 2 (one new token is a decode)")
-    os.environ["MLA_PREFILL_BACKEND"] = "FLASH_ATTN"
+    import torch
+
     import mla_prefill_ext
-    from mla_prefill_ext import versions
+    from mla_prefill_ext import activation, versions
 
     decision = versions.decide()
     if decision.mode != versions.PATCH:
         print(f"layer_host_cost: vLLM {decision.vllm_version} is not the 0.20 patch's host", file=sys.stderr)
         return 2
+    # Run in-process (the tests do): what this changes is put back as it was.
+    was_active, dtype = activation.is_active(), torch.get_default_dtype()
+    with (
+        tempfile.TemporaryDirectory(prefix="layer-host-cost-") as tmp,
+        mock.patch.dict(os.environ, {"MLA_PREFILL_BACKEND": "FLASH_ATTN"}),
+    ):
+        try:
+            out = measure(args, Path(tmp) / "model", decision.vllm_version)
+        finally:
+            torch.set_default_dtype(dtype)
+            (mla_prefill_ext.activate if was_active else mla_prefill_ext.deactivate)()
+    print("\n".join(out["markdown"]))
+    common.write_json(args.json, common.record(args=vars(args), **out))
+    return 0
+
+
+def _check_sides(sides: dict[str, tuple[Side, Any]], x: dict[str, Any]) -> dict[str, Any]:
+    """Which code each side ran, once before timing: the add-on's step preparation and backend on
+    its side only. A side that runs the other's code stops the run."""
+    ran = {}
+    for name, (side, switch) in sides.items():
+        switch()
+        metadata, _ = side.build()
+        prepared = getattr(metadata.prefill, "mla_prefill_runners", None) is not None
+        ran[name] = {"prepared_by_addon": prepared, "addon_backend_calls": backend_calls(side, metadata, x)}
+    expected = {
+        name: {"prepared_by_addon": name == "add-on", "addon_backend_calls": int(name == "add-on")}
+        for name in sides
+    }
+    if ran != expected:
+        raise SystemExit(f"the sides did not run the code they name: {ran}")
+    return ran
+
+
+def measure(args: Any, model_dir: Path, vllm_version: str) -> dict[str, Any]:
+    """Build the sides (the add-on's while active, the stock ones while not), check them, time them."""
+    import torch
+
+    import mla_prefill_ext
     from mla_prefill_ext.hosts import vllm_0_20 as patches
     from mla_prefill_ext.testing import vllm_host as host
 
     model = host.write_model_dir(
-        Path(tempfile.mkdtemp(prefix="layer-host-cost-")) / "model",
+        model_dir,
         rope_scaling=host.YARN_ROPE_SCALING,
         num_attention_heads=args.heads,
         num_key_value_heads=args.heads,
@@ -204,22 +250,26 @@ def main(argv: list[str] | None = None) -> int:
     addon = Side("add-on", cfg, mla_module, "model.layers.0.self_attn", batch)
     mla_prefill_ext.deactivate()
     stock = Side("stock", cfg, mla_module, "model.layers.1.self_attn", batch)
+    # A second stock layer: what two instances of the same code differ by in this run (the floor).
+    stock2 = Side("stock:2", cfg, mla_module, "model.layers.2.self_attn", batch)
+    weight = torch.randn(addon.layer.kv_b_proj.weight.shape, generator=torch.Generator().manual_seed(1))
+    for side in (addon, stock, stock2):  # the same weights everywhere (they were left uninitialized)
+        side.layer.kv_b_proj.weight.data = (weight * 0.05).to(torch.bfloat16)
     x = inputs(args.new * args.requests, args.heads)
 
-    sides = {"stock": (stock, mla_prefill_ext.deactivate), "add-on": (addon, mla_prefill_ext.activate)}
-    ran = {}
-    for name, (side, switch) in sides.items():
-        switch()
-        metadata, _ = side.build()
-        ran[name] = backend_calls(side, metadata, x)
-    if ran != {"stock": 0, "add-on": 1}:
-        raise SystemExit(f"the sides did not run the code they name: add-on backend calls {ran}")
-
-    samples: dict[str, dict[str, list[int]]] = {n: {"forward_mha": [], "build": []} for n in sides}
-    paired: list[float] = []
+    sides = {
+        "stock": (stock, mla_prefill_ext.deactivate),
+        "stock:2": (stock2, mla_prefill_ext.deactivate),
+        "add-on": (addon, mla_prefill_ext.activate),
+    }
+    ran = _check_sides(sides, x)
+    names = list(sides)
+    samples: dict[str, dict[str, list[int]]] = {n: {"forward_mha": [], "build": []} for n in names}
+    paired: dict[str, list[float]] = {"add-on": [], "stock:2": []}
     for r in range(args.rounds + 1):  # the first round warms up, untimed
         medians = {}
-        for name, (side, switch) in sides.items() if r % 2 else reversed(sides.items()):
+        for name in names[r % 3 :] + names[: r % 3]:  # each side first, second and last in turn
+            side, switch = sides[name]
             switch()
             metadata, built = side.build(BUILDS_PER_ROUND)
             times = []
@@ -232,14 +282,17 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name]["build"] += built
                 medians[name] = statistics.median(times)
         if r:
-            paired.append((medians["add-on"] - medians["stock"]) / 1e3)
-    mla_prefill_ext.activate()
+            for name, diffs in paired.items():
+                diffs.append((medians[name] - medians["stock"]) / 1e3)
 
     results = {name: {part: _stats(ns) for part, ns in parts.items()} for name, parts in samples.items()}
-    difference = {"median_us": statistics.median(paired), "min_us": min(paired), "max_us": max(paired)}
+    differences = {
+        name: {"median_us": statistics.median(d), "min_us": min(d), "max_us": max(d)}
+        for name, d in paired.items()
+    }
     lines = [
         f"one fresh-prefill step: {args.requests} requests x {args.new} new tokens, {args.heads} heads "
-        f"(vLLM {decision.vllm_version}, FLASH_ATTN, FA3 stand-in)",
+        f"(vLLM {vllm_version}, FLASH_ATTN, FA3 stand-in)",
         "| side | forward_mha median us [p10-p90] | build median us [p10-p90] |",
         "| --- | --- | --- |",
     ]
@@ -249,22 +302,17 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {f['median_us']:.1f} [{f['p10_us']:.1f}-{f['p90_us']:.1f}] | "
             f"{b['median_us']:.1f} [{b['p10_us']:.1f}-{b['p90_us']:.1f}] |"
         )
-    lines.append(
-        f"forward_mha, add-on minus stock per round (median [min-max] of {args.rounds}): "
-        f"{difference['median_us']:+.1f} us [{difference['min_us']:+.1f} to {difference['max_us']:+.1f}]"
-    )
-    print("\n".join(lines))
-    common.write_json(
-        args.json,
-        common.record(
-            args=vars(args),
-            results=results,
-            forward_mha_paired_difference=difference,
-            backend_calls=ran,
-            markdown=lines,
-        ),
-    )
-    return 0
+    for name, d in differences.items():
+        lines.append(
+            f"forward_mha, {name} minus stock per round (median [min-max] of {args.rounds}): "
+            f"{d['median_us']:+.1f} us [{d['min_us']:+.1f} to {d['max_us']:+.1f}]"
+        )
+    return {
+        "results": results,
+        "forward_mha_paired_difference": differences,
+        "checked": ran,
+        "markdown": lines,
+    }
 
 
 if __name__ == "__main__":

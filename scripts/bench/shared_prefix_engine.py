@@ -181,14 +181,18 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
 
 
 def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Per side and point (requests x prompt length): the steps each timed call took, routed, shared."""
+    """Per side and point: the steps each timed call took, routed, shared (the untimed warm-up calls
+    left out; records without a point, from older runs, grouped by requests x prompt length)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["side"], r["requests"], r["prompt_len"]), []).append(r)
+        if r.get("rep", 1) == 0:
+            continue
+        point = r.get("point") or f"{r['requests']} x {r['prompt_len']} tokens"
+        groups.setdefault((r["side"], point), []).append(r)
     lines = []
-    for (side, requests, prompt_len), rs in groups.items():
+    for (side, point), rs in groups.items():
         cells = ", ".join(f"{k} {[r[k] for r in rs]}" for k in COUNTERS)
-        lines.append(f"{side} {requests} x {prompt_len} tokens: {cells}")
+        lines.append(f"{side} {point}: {cells}")
         if any(r.get("shapes") for r in rs):  # requests/tokens per step of each call, "r" if routed
             calls = (
                 "["
@@ -355,7 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
             path_steps.append(
-                {"side": side, "requests": len(prompts), "prompt_len": len(prompts[0]), **delta}
+                {
+                    "side": side,
+                    "point": point.key,
+                    "rep": rep,  # 0: the untimed warm-up
+                    "requests": len(prompts),
+                    "prompt_len": len(prompts[0]),
+                    **delta,
+                }
             )
         counts = [o.num_cached_tokens for o in outputs]
         hit = None if None in counts else sum(counts)

@@ -83,6 +83,27 @@ def test_an_event_that_outlives_its_parent_is_its_child_up_to_the_parents_end():
     assert owned["A"] == [(150.0, 300.0)]
     assert owned["B"] == [(300.0, 600.0), (650.0, 800.0)]
     assert owned["cudaLaunchKernel in B"] == [(600.0, 650.0)]
+    # Inside an outer event, the crossing one is the outer's child too: no time counted twice.
+    outer = dict(gpu_timeline.own_time([_event("python_function", "G", 0, 1000), *crossing]))
+    assert outer["G"] == [(0.0, 150.0), (800.0, 1000.0)]
+    spans = [span for spans in outer.values() for span in spans]
+    assert sum(b - a for a, b in spans) == 1000.0
+
+
+def test_a_gap_adds_up_the_calls_of_one_name():
+    """Many short launches in a gap: one entry with their sum, above a longer single op."""
+    launches = [_event("cuda_runtime", "cudaLaunchKernel", 200 + 20 * i, 15) for i in range(30)]
+    events = [
+        _event("kernel", "gemm", 0, 150),
+        *launches,
+        _event("cpu_op", "aten::foo", 850, 60),
+        _event("kernel", "attention", 1000, 100),
+    ]
+    (gap,) = gpu_timeline.summarize(events, gap_us=200)["largest_gaps"]
+    assert [(h["name"], round(h["ms"], 3)) for h in gap["host"]] == [
+        ("cudaLaunchKernel", 0.45),
+        ("aten::foo", 0.06),
+    ]
 
 
 def test_merge_joins_overlapping_and_touching_intervals():

@@ -377,10 +377,20 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
             "gathered": 0,
         },
     ]
-    assert bench.path_steps_lines(records) == [
+    assert bench.path_steps_lines(records) == [  # records of an older run: no point, no repetition
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
         "blocks_reused [30720, 32768], hits_reused [30720, 30720], gathered [15, 0]"
     ]
+    # By point, the warm-up left out: two points with equal B and prompt length stay apart.
+    shared, private = "shared P=8192 B=16 N=128", "private P=8192 B=16 N=128"
+    pointed = [
+        {**records[0], "point": shared, "rep": 0},
+        {**records[0], "point": shared, "rep": 1},
+        {**records[1], "point": private, "rep": 1},
+    ]
+    lines = bench.path_steps_lines(pointed)
+    assert [line.split(":")[0] for line in lines] == [f"FLASH_ATTN {shared}", f"FLASH_ATTN {private}"]
+    assert lines[0].split(": ")[1].startswith("steps [2], steps_routed [1]")
 
 
 def test_a_calls_step_shapes_are_its_own_steps_of_the_first_worker():
