@@ -337,37 +337,25 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         outputs = engines[side].generate(batch, params, use_tqdm=False)
         took = time.perf_counter() - t
+        # Which call a record is of (rep 0: the untimed warm-up).
+        call = {
+            "side": side,
+            "point": point.key,
+            "rep": rep,
+            "requests": len(prompts),
+            "prompt_len": len(prompts[0]),
+        }
         if args.trace_arrivals:
             core = engines[side].collective_rpc(arrival_trace.take_events)[0]
             trace = arrival_trace.timeline(arrival_trace.take_events(), core)
             split = arrival_trace.arrival_split(trace)
-            traces.append(
-                {
-                    "side": side,
-                    "point": point.key,
-                    "rep": rep,  # 0: the untimed warm-up
-                    "requests": len(prompts),
-                    "prompt_len": len(prompts[0]),
-                    "seconds": took,
-                    "split": split,
-                    **trace,
-                }
-            )
+            traces.append({**call, "seconds": took, "split": split, **trace})
             label = f"{side} {len(prompts)} x {len(prompts[0])} ({took * 1e3:.0f} ms)"
             print("\n".join(arrival_trace.timeline_lines(label, trace)), flush=True)
             print(f"  arrived in steps {split}", flush=True)
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
-            path_steps.append(
-                {
-                    "side": side,
-                    "point": point.key,
-                    "rep": rep,  # 0: the untimed warm-up
-                    "requests": len(prompts),
-                    "prompt_len": len(prompts[0]),
-                    **delta,
-                }
-            )
+            path_steps.append({**call, **delta})
         counts = [o.num_cached_tokens for o in outputs]
         hit = None if None in counts else sum(counts)
         return took, hit, sum(len(o.outputs[0].token_ids) for o in outputs)
