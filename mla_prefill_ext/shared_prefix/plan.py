@@ -62,11 +62,6 @@ class ContextPass(NamedTuple):
     def max_seq_len(self) -> int:
         return int(self.seq_lens.max()) if self.seq_lens.numel() else 0
 
-    def to(self, device: torch.device | str) -> ContextPass:
-        """The same pass with its tensors on ``device`` (copied without waiting)."""
-        moved = (t.to(device, non_blocking=True) for t in self[:4])
-        return ContextPass(*moved, total=self.total)
-
 
 def chunk_passes(
     begins: torch.Tensor, ends: torch.Tensor, workspace_rows: int, page_size: int
