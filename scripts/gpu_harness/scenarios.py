@@ -60,6 +60,7 @@ STOCK_PREFILL = ("--stock", *SHARED, "--decode-threshold", "1")
 # extends (as shipped), and its prefill path (where the path on routes them).
 SHARED_STOCK = ("stock-shared", "stock-shared-2")
 SHARED_STOCK_PREFILL = ("stock-shared-prefill", "stock-shared-prefill-2", "stock-shared-prefill-3")
+TP2 = ("--tp", "2", "--eager")
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,24 @@ SCENARIOS = {
         ),
         Scenario("stock-shared-prefill-compiled", STOCK_PREFILL),
         Scenario("shim-fa-shared-compiled", SHARED_ADDON),
+        # Shared-prefix parity at TP=2 with vLLM's multiprocessing executor (eager; the Ray ones need a
+        # cluster started beforehand: scripts/gpu_harness/session.py). Two prefill-path stock lifetimes
+        # calibrate the path on; the plain stock one and its Ray twin the path off.
+        Scenario("stock-shared-tp2", ("--stock", *SHARED, *TP2), gpus=2),
+        Scenario("stock-shared-prefill-tp2", (*STOCK_PREFILL, *TP2), gpus=2),
+        Scenario("stock-shared-prefill-tp2-2", (*STOCK_PREFILL, *TP2), gpus=2),
+        Scenario("shim-fa-shared-tp2", (*SHARED_ADDON, *TP2), gpus=2),
+        Scenario("shim-fa-shared-off-tp2", (*SHARED_ADDON, *TP2), gpus=2, env=SHARED_OFF),
+        Scenario(
+            "mutant-shared-segment-scale-tp2",
+            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "segment-scale", *TP2),
+            gpus=2,
+        ),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
-SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n]
+SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 1]
+SHARED_TP2_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 2]
 
 
 def default_model_dir(results: Path) -> Path:

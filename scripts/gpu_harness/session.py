@@ -3,6 +3,10 @@
     python -m scripts.gpu_harness.session single --results DIR     # kernels + single-GPU engines
     python -m scripts.gpu_harness.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
     python -m scripts.gpu_harness.session verdicts --results DIR   # the engine assertions over DIR
+    python -m scripts.gpu_harness.session shared-multi --results DIR [--names a,b]
+        # the shared-prefix path at TP=2: Ray (cluster started beforehand) beside multiprocessing,
+        # and single-GPU scenarios (--names) one per GPU beside them; verdicts:
+        # tests/gpu/test_shared_prefix_tp2.py
 
 Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
 the wall time; numerics do not depend on it. FlashInfer's kernels JIT-compile on first
@@ -27,7 +31,15 @@ import time
 from pathlib import Path
 
 from scripts.gpu_harness import ray_cluster
-from scripts.gpu_harness.scenarios import SCENARIOS, Scenario, command, default_model_dir, ensure_checkpoint
+from scripts.gpu_harness.scenarios import (
+    SCENARIOS,
+    SHARED,
+    SHARED_OFF,
+    Scenario,
+    command,
+    default_model_dir,
+    ensure_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_MEM = "0.3"
@@ -50,6 +62,20 @@ SINGLE_QUEUE = [
 FLASHINFER_LANE = ["shim-fi-eager", "shim-fi-chunks", "shim-fi"]
 RAY_QUEUE = ["stock-ray", "custom-ray", "fi-ray"]
 TP2_QUEUE = ["stock-tp2", "custom-tp2", "shim-fi-tp2", "shim-fa-tp2"]
+# Shared-prefix parity at TP=2 (issue 27). The runner's test-only wrappers (shared-path evidence,
+# vLLM's decode threshold lowered) reach forked workers only, not Ray's: the Ray runs are judged
+# against the multiprocessing prefill-path lifetimes, and their workers' own log lines say which
+# path they took.
+SHARED_RAY_QUEUE = ["stock-shared-ray", "shim-fa-shared-ray", "shim-fa-shared-off-ray"]
+SHARED_TP2_QUEUE = [
+    "stock-shared-tp2",
+    "shim-fa-shared-tp2",
+    "stock-shared-prefill-tp2",
+    "shim-fa-shared-off-tp2",
+    "stock-shared-prefill-tp2-2",
+    "mutant-shared-segment-scale-tp2",
+]
+SHARED_MULTI_GPU_MEM = "0.25"  # up to three engines per GPU: one single-GPU, one TP=2 rank, one Ray rank
 
 RAY = ("--executor", "ray", "--tp", "2", "--eager")
 EXTRA = {
@@ -60,6 +86,14 @@ EXTRA = {
         Scenario("custom-ray", ("--custom", "--backend-env", "CUSTOM", *RAY), gpus=2, env=RAY_ENV),
         Scenario("fi-ray", ("--backend-env", "FLASHINFER", *RAY), gpus=2, env=RAY_ENV),
         Scenario("ray-old-custom", ("--custom", "--backend-env", "CUSTOM", *RAY), gpus=2, env=RAY_ENV),
+        Scenario("stock-shared-ray", ("--stock", *SHARED, *RAY), gpus=2, env=RAY_ENV),
+        Scenario("shim-fa-shared-ray", (*SHARED, "--backend-env", "FLASH_ATTN", *RAY), gpus=2, env=RAY_ENV),
+        Scenario(
+            "shim-fa-shared-off-ray",
+            (*SHARED, "--backend-env", "FLASH_ATTN", *RAY),
+            gpus=2,
+            env=(*RAY_ENV, *SHARED_OFF),
+        ),
     ]
 }
 ALL = {**SCENARIOS, **EXTRA}
@@ -69,14 +103,16 @@ def stamp(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str | None = None) -> int:
+def run_scenario(
+    name: str, results: Path, devices: str, extra_pythonpath: str | None = None, gpu_mem: str = GPU_MEM
+) -> int:
     s = ALL[name]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     for key, value in s.env:
         env[key] = f"{value}{os.pathsep}{env[key]}" if key == "PYTHONPATH" and env.get(key) else value
     if extra_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_pythonpath, env.get("PYTHONPATH")]))
-    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", GPU_MEM]
+    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", gpu_mem]
     if name in TP2_QUEUE and "--eager" not in cmd:
         cmd.append("--eager")  # start-up time: the compiled path is covered on one GPU
     stamp(f"start {name} on GPU {devices}")
@@ -86,15 +122,17 @@ def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str |
     return rc
 
 
-def lane(names: list[str], results: Path, devices: str, shared: list[str] | None = None) -> None:
+def lane(
+    names: list[str], results: Path, devices: str, shared: list[str] | None = None, gpu_mem: str = GPU_MEM
+) -> None:
     for name in names:
-        run_scenario(name, results, devices)
+        run_scenario(name, results, devices, gpu_mem=gpu_mem)
     while shared:
         try:
             name = shared.pop(0)
         except IndexError:
             break
-        run_scenario(name, results, devices)
+        run_scenario(name, results, devices, gpu_mem=gpu_mem)
 
 
 def shell(cmd: str, log: Path, devices: str) -> int:
@@ -175,6 +213,38 @@ def multi(results: Path, old_addon: Path | None) -> None:
     t.join()
 
 
+def shared_multi(results: Path, single_names: list[str]) -> None:
+    """The shared-prefix path at TP=2: the Ray lane beside the multiprocessing lane, and the single-GPU
+    scenarios ``single_names`` one lane per GPU beside both (numerics only: nothing here is timed)."""
+    ensure_checkpoint(default_model_dir(results))
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    mem = SHARED_MULTI_GPU_MEM
+
+    def ray_lane() -> None:
+        ray_cluster.stop()
+        ray_cluster.start([*site, str(ROOT / "examples"), str(ROOT)])
+        try:
+            for name in SHARED_RAY_QUEUE:
+                run_scenario(name, results, "0,1", gpu_mem=mem)
+        finally:
+            ray_cluster.stop()
+
+    single_queue = [n for n in single_names if ALL[n].gpus == 1]
+    threads = [
+        threading.Thread(target=lane, args=(SHARED_TP2_QUEUE, results, "0,1"), kwargs={"gpu_mem": mem}),
+        threading.Thread(target=ray_lane),
+        *[
+            threading.Thread(target=lane, args=([], results, g, single_queue), kwargs={"gpu_mem": mem})
+            for g in ("0", "1")
+        ],
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(8)  # staggered: each engine profiles its memory while the others hold theirs still
+    for t in threads:
+        t.join()
+
+
 def only(results: Path, names: list[str]) -> None:
     """Re-run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone."""
     ensure_checkpoint(default_model_dir(results))
@@ -209,8 +279,10 @@ def verdicts(results: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["single", "multi", "only", "verdicts"])
-    parser.add_argument("--names", default="", help="for 'only': comma-separated scenario names")
+    parser.add_argument("phase", choices=["single", "multi", "only", "verdicts", "shared-multi"])
+    parser.add_argument(
+        "--names", default="", help="for 'only' and 'shared-multi': comma-separated scenario names"
+    )
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--old-addon", type=Path, help="folder holding the previous mla_prefill_ext")
     args = parser.parse_args()
@@ -219,6 +291,8 @@ def main() -> int:
         single(args.results)
     elif args.phase == "multi":
         multi(args.results, args.old_addon)
+    elif args.phase == "shared-multi":
+        shared_multi(args.results, [n for n in args.names.split(",") if n])
     elif args.phase == "only":
         only(args.results, [n for n in args.names.split(",") if n])
     else:

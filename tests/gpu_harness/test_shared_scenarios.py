@@ -262,3 +262,25 @@ def test_the_pairs_of_the_recorded_h200_run_read_as_the_docs_say(capsys):
     assert len(on) == 6 and all(": pass (bound 0.177)" in line for line in on)
     mutants = [line for line in lines if line.startswith("mutant-")]
     assert len(mutants) == 10 and all(": FAIL" in line for line in mutants)
+
+
+def test_the_tp2_shared_session_runs_every_tp2_scenario_and_the_ray_ones_it_judges():
+    from scripts.gpu_harness import session
+    from tests.gpu import test_shared_prefix_tp2 as tp2
+
+    assert sorted(session.SHARED_TP2_QUEUE) == sorted(scenarios.SHARED_TP2_SCENARIOS)
+    judged = {*tp2.STOCK, *tp2.STOCK_PREFILL, *tp2.ON, *tp2.OFF, tp2.MUTANT}
+    assert judged == {*session.SHARED_TP2_QUEUE, *session.SHARED_RAY_QUEUE}
+    for name in judged:
+        s = session.ALL[name]
+        assert s.gpus == 2 and s.flags[s.flags.index("--tp") + 1] == "2" and "--eager" in s.flags, name
+        executor = s.flags[s.flags.index("--executor") + 1] if "--executor" in s.flags else "mp"
+        assert executor == ("ray" if name.endswith("-ray") else "mp"), name
+    # The off switch is set in the driver's environment only; the Ray runs carry no test-only wrapper.
+    assert dict(session.ALL["shim-fa-shared-off-ray"].env)["MLA_PREFILL_SHARED_PREFIX"] == "0"
+    assert dict(session.ALL["shim-fa-shared-off-tp2"].env) == {"MLA_PREFILL_SHARED_PREFIX": "0"}
+    ray_flags = [f for n in session.SHARED_RAY_QUEUE for f in session.ALL[n].flags]
+    assert not {"--shared-evidence", "--shared-mutant", "--decode-threshold"} & set(ray_flags)
+    # The path-on references serve short extends on vLLM's prefill path, as the path routes them.
+    for name in tp2.STOCK_PREFILL:
+        assert session.ALL[name].flags[session.ALL[name].flags.index("--decode-threshold") + 1] == "1"
