@@ -35,7 +35,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host: see docs/gpu-verification.md)")
     # The engine verdicts only read recorded results: with MLA_GPU_RESULTS they replay anywhere.
     replay = (
-        {"test_engine.py", "test_deployments.py", "test_bridge_engine.py", "test_shared_prefix.py"}
+        {
+            "test_engine.py",
+            "test_deployments.py",
+            "test_bridge_engine.py",
+            "test_shared_prefix.py",
+            "test_shared_prefix_tp2.py",
+        }
         if os.environ.get("MLA_GPU_RESULTS")
         else set()
     )

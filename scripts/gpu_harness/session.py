@@ -4,9 +4,8 @@
     python -m scripts.gpu_harness.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
     python -m scripts.gpu_harness.session verdicts --results DIR   # the engine assertions over DIR
     python -m scripts.gpu_harness.session shared-multi --results DIR [--names a,b]
-        # the shared-prefix path at TP=2: Ray (cluster started beforehand) beside multiprocessing,
-        # and single-GPU scenarios (--names) one per GPU beside them; verdicts:
-        # tests/gpu/test_shared_prefix_tp2.py
+        # the shared-prefix path at TP=2, multiprocessing and Ray (a cluster started beforehand), one
+        # engine per GPU at a time; verdicts: tests/gpu/test_shared_prefix_tp2.py
 
 Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
 the wall time; numerics do not depend on it. FlashInfer's kernels JIT-compile on first
@@ -75,7 +74,6 @@ SHARED_TP2_QUEUE = [
     "stock-shared-prefill-tp2-2",
     "mutant-shared-segment-scale-tp2",
 ]
-SHARED_MULTI_GPU_MEM = "0.25"  # up to three engines per GPU: one single-GPU, one TP=2 rank, one Ray rank
 
 RAY = ("--executor", "ray", "--tp", "2", "--eager")
 EXTRA = {
@@ -103,16 +101,14 @@ def stamp(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_scenario(
-    name: str, results: Path, devices: str, extra_pythonpath: str | None = None, gpu_mem: str = GPU_MEM
-) -> int:
+def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str | None = None) -> int:
     s = ALL[name]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     for key, value in s.env:
         env[key] = f"{value}{os.pathsep}{env[key]}" if key == "PYTHONPATH" and env.get(key) else value
     if extra_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_pythonpath, env.get("PYTHONPATH")]))
-    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", gpu_mem]
+    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", GPU_MEM]
     if name in TP2_QUEUE and "--eager" not in cmd:
         cmd.append("--eager")  # start-up time: the compiled path is covered on one GPU
     stamp(f"start {name} on GPU {devices}")
@@ -122,17 +118,15 @@ def run_scenario(
     return rc
 
 
-def lane(
-    names: list[str], results: Path, devices: str, shared: list[str] | None = None, gpu_mem: str = GPU_MEM
-) -> None:
+def lane(names: list[str], results: Path, devices: str, shared: list[str] | None = None) -> None:
     for name in names:
-        run_scenario(name, results, devices, gpu_mem=gpu_mem)
+        run_scenario(name, results, devices)
     while shared:
         try:
             name = shared.pop(0)
         except IndexError:
             break
-        run_scenario(name, results, devices, gpu_mem=gpu_mem)
+        run_scenario(name, results, devices)
 
 
 def shell(cmd: str, log: Path, devices: str) -> int:
@@ -213,36 +207,33 @@ def multi(results: Path, old_addon: Path | None) -> None:
     t.join()
 
 
-def shared_multi(results: Path, single_names: list[str]) -> None:
-    """The shared-prefix path at TP=2: the Ray lane beside the multiprocessing lane, and the single-GPU
-    scenarios ``single_names`` one lane per GPU beside both (numerics only: nothing here is timed)."""
+def shared_multi(results: Path, names: list[str]) -> None:
+    """The shared-prefix path at TP=2 (``names``: default every TP=2 and Ray shared scenario; single-GPU
+    ones may be added). One engine per GPU at a time: vLLM 0.25.1's memory profiling fails when another
+    process on its GPU allocates or frees meanwhile (seen: "Error in memory profiling", "No available
+    memory for the cache blocks"). Single-GPU scenarios first, one lane per GPU; then the
+    multiprocessing TP=2 ones in turn; then the Ray ones against a cluster started for them."""
+    names = names or [*SHARED_TP2_QUEUE, *SHARED_RAY_QUEUE]
     ensure_checkpoint(default_model_dir(results))
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    mem = SHARED_MULTI_GPU_MEM
-
-    def ray_lane() -> None:
+    single_queue = [n for n in names if ALL[n].gpus == 1]
+    threads = [threading.Thread(target=lane, args=([], results, g, single_queue)) for g in ("0", "1")]
+    for t in threads:
+        t.start()
+        time.sleep(3)
+    for t in threads:
+        t.join()
+    ray = [n for n in names if ALL[n].gpus > 1 and "RAY_ADDRESS" in dict(ALL[n].env)]
+    for name in (n for n in names if ALL[n].gpus > 1 and n not in ray):
+        run_scenario(name, results, "0,1")
+    if ray:
+        site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         ray_cluster.stop()
         ray_cluster.start([*site, str(ROOT / "examples"), str(ROOT)])
         try:
-            for name in SHARED_RAY_QUEUE:
-                run_scenario(name, results, "0,1", gpu_mem=mem)
+            for name in ray:
+                run_scenario(name, results, "0,1")
         finally:
             ray_cluster.stop()
-
-    single_queue = [n for n in single_names if ALL[n].gpus == 1]
-    threads = [
-        threading.Thread(target=lane, args=(SHARED_TP2_QUEUE, results, "0,1"), kwargs={"gpu_mem": mem}),
-        threading.Thread(target=ray_lane),
-        *[
-            threading.Thread(target=lane, args=([], results, g, single_queue), kwargs={"gpu_mem": mem})
-            for g in ("0", "1")
-        ],
-    ]
-    for t in threads:
-        t.start()
-        time.sleep(8)  # staggered: each engine profiles its memory while the others hold theirs still
-    for t in threads:
-        t.join()
 
 
 def only(results: Path, names: list[str]) -> None:
