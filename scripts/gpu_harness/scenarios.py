@@ -135,11 +135,13 @@ SCENARIOS = {
         Scenario("stock-shared-prefill-compiled", STOCK_PREFILL),
         Scenario("shim-fa-shared-compiled", SHARED_ADDON),
         # Shared-prefix parity at TP=2 with vLLM's multiprocessing executor (eager; the Ray ones need a
-        # cluster started beforehand: scripts/gpu_harness/session.py). Two prefill-path stock lifetimes
-        # calibrate the path on; the plain stock one and its Ray twin the path off.
+        # cluster started beforehand: scripts/gpu_harness/session.py). Three prefill-path stock lifetimes
+        # calibrate the path on (as on one GPU; two left the bound on one pair, 2026-12-04); the plain
+        # stock one and its Ray twin the path off.
         Scenario("stock-shared-tp2", ("--stock", *SHARED, *TP2), gpus=2),
         Scenario("stock-shared-prefill-tp2", (*STOCK_PREFILL, *TP2), gpus=2),
         Scenario("stock-shared-prefill-tp2-2", (*STOCK_PREFILL, *TP2), gpus=2),
+        Scenario("stock-shared-prefill-tp2-3", (*STOCK_PREFILL, *TP2), gpus=2),
         Scenario("shim-fa-shared-tp2", (*SHARED_ADDON, *TP2), gpus=2),
         Scenario("shim-fa-shared-off-tp2", (*SHARED_ADDON, *TP2), gpus=2, env=SHARED_OFF),
         Scenario(

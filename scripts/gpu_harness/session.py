@@ -73,6 +73,7 @@ SHARED_TP2_QUEUE = [
     "shim-fa-shared-off-tp2",
     "stock-shared-prefill-tp2-2",
     "mutant-shared-segment-scale-tp2",
+    "stock-shared-prefill-tp2-3",
 ]
 
 RAY = ("--executor", "ray", "--tp", "2", "--eager")

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 
 RESULTS_DIRS = [Path(p) for p in (os.environ.get("MLA_GPU_RESULTS") or "").split(os.pathsep) if p]
 STOCK = ("stock-shared-tp2", "stock-shared-ray")  # short extends on vLLM's decode path
-STOCK_PREFILL = ("stock-shared-prefill-tp2", "stock-shared-prefill-tp2-2")  # ... on its prefill path
+# ... on its prefill path: three lifetimes, as on one GPU
+STOCK_PREFILL = ("stock-shared-prefill-tp2", "stock-shared-prefill-tp2-2", "stock-shared-prefill-tp2-3")
 ON = ("shim-fa-shared-tp2", "shim-fa-shared-ray")
 OFF = ("shim-fa-shared-off-tp2", "shim-fa-shared-off-ray")
 MUTANT = "mutant-shared-segment-scale-tp2"
