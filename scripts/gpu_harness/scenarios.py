@@ -259,7 +259,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     gpus = args.gpus.split(",")
-    names = args.only.split(",") if args.only else [n for n, s in SCENARIOS.items() if s.gpus <= len(gpus)]
+    # The TP=2 shared-prefix set goes with its Ray half and its verdicts: session.py shared-multi.
+    default = [n for n, s in SCENARIOS.items() if s.gpus <= len(gpus) and n not in SHARED_TP2_SCENARIOS]
+    names = args.only.split(",") if args.only else default
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")

@@ -8,7 +8,9 @@
         # engine per GPU at a time; verdicts: tests/gpu/test_shared_prefix_tp2.py
 
 Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
-the wall time; numerics do not depend on it. FlashInfer's kernels JIT-compile on first
+the wall time; numerics do not depend on it. That holds for vLLM 0.20.2; on vLLM 0.25.1 an engine's
+memory profiling fails while another process on its GPU allocates or frees (2026-12-04), so
+``shared-multi`` runs one engine per GPU at a time. FlashInfer's kernels JIT-compile on first
 use (about a minute): the kernel tests run first in one lane and the FLASHINFER engines
 follow in that lane, so no two processes compile the same kernel at once.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,14 @@ RESULTS_DIRS = [Path(p) for p in (os.environ.get("MLA_GPU_RESULTS") or "").split
 ]
 RESULTS = RESULTS_DIRS[-1]
 MIN_CONTEXT_CHUNKS = 3
+# A worker's log line: Ray prefixes its actors' output with the actor and pid (RayWorkerWrapper on vLLM 0.20,
+# RayWorkerProc on 0.25), vLLM's multiprocessing executor with the worker's rank and pid (Worker_TP0 on 0.25).
+WORKER_LINE = re.compile(r"\((?:RayWorkerWrapper|RayWorkerProc|Worker_TP\d+) pid=(\d+)[^)]*\)(.*)")
+
+
+def worker_pids_in(log: str, text: str) -> set[int]:
+    """The worker processes whose log lines in ``log`` contain ``text``."""
+    return {int(m.group(1)) for m in WORKER_LINE.finditer(log) if text in m.group(2)}
 
 
 @functools.cache

@@ -9,18 +9,16 @@ copies to its Ray workers reaches them, as on a second node.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 
 from scripts.gpu_harness import scenarios, verdict
+from tests.gpu import recorded_runs
 
 pytestmark = pytest.mark.gpu
 
 RESULTS_DIRS = [Path(p) for p in (os.environ.get("MLA_GPU_RESULTS") or "").split(os.pathsep) if p]
-# Ray prefixes what its workers print with their actor and pid.
-WORKER_LINE = re.compile(r"\(RayWorkerWrapper pid=(\d+)[^)]*\)(.*)")
 
 
 def _found(name: str) -> tuple[Path, dict]:
@@ -42,8 +40,7 @@ def outputs(name: str) -> list[dict]:
 
 
 def worker_pids(name: str, text: str) -> set[int]:
-    log = scenarios.log_text(_found(name)[0], name)
-    return {int(m.group(1)) for m in WORKER_LINE.finditer(log) if text in m.group(2)}
+    return recorded_runs.worker_pids_in(scenarios.log_text(_found(name)[0], name), text)
 
 
 def test_registered_custom_backend_runs_in_both_ray_workers():
