@@ -210,22 +210,20 @@ def multi(results: Path, old_addon: Path | None) -> None:
     t.join()
 
 
-def shared_multi(results: Path, names: list[str]) -> None:
-    """The shared-prefix path at TP=2 (``names``: default every TP=2 and Ray shared scenario; single-GPU
-    ones may be added). One engine per GPU at a time: vLLM 0.25.1's memory profiling fails when another
-    process on its GPU allocates or frees meanwhile (seen: "Error in memory profiling", "No available
-    memory for the cache blocks"). Single-GPU scenarios first, one lane per GPU; then the
-    multiprocessing TP=2 ones in turn; then the Ray ones against a cluster started for them."""
-    names = names or [*SHARED_TP2_QUEUE, *SHARED_RAY_QUEUE]
+def only(results: Path, names: list[str]) -> None:
+    """Run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone, then
+    the Ray ones against a cluster started for them. One engine per GPU is what vLLM 0.25.1 needs: its
+    memory profiling fails while another process on its GPU allocates or frees (seen: "Error in memory
+    profiling", "No available memory for the cache blocks")."""
     ensure_checkpoint(default_model_dir(results))
-    single_queue = [n for n in names if ALL[n].gpus == 1]
-    threads = [threading.Thread(target=lane, args=([], results, g, single_queue)) for g in ("0", "1")]
+    shared = [n for n in names if ALL[n].gpus == 1]
+    threads = [threading.Thread(target=lane, args=([], results, g, shared)) for g in ("0", "1")]
     for t in threads:
         t.start()
         time.sleep(3)
     for t in threads:
         t.join()
-    ray = [n for n in names if ALL[n].gpus > 1 and "RAY_ADDRESS" in dict(ALL[n].env)]
+    ray = [n for n in names if "RAY_ADDRESS" in dict(ALL[n].env)]
     for name in (n for n in names if ALL[n].gpus > 1 and n not in ray):
         run_scenario(name, results, "0,1")
     if ray:
@@ -237,20 +235,6 @@ def shared_multi(results: Path, names: list[str]) -> None:
                 run_scenario(name, results, "0,1")
         finally:
             ray_cluster.stop()
-
-
-def only(results: Path, names: list[str]) -> None:
-    """Re-run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone."""
-    ensure_checkpoint(default_model_dir(results))
-    shared = [n for n in names if ALL[n].gpus == 1]
-    threads = [threading.Thread(target=lane, args=([], results, g, shared)) for g in ("0", "1")]
-    for t in threads:
-        t.start()
-        time.sleep(3)
-    for t in threads:
-        t.join()
-    for name in (n for n in names if ALL[n].gpus > 1):
-        run_scenario(name, results, "0,1")
 
 
 def verdicts(results: Path) -> int:
@@ -285,8 +269,8 @@ def main() -> int:
         single(args.results)
     elif args.phase == "multi":
         multi(args.results, args.old_addon)
-    elif args.phase == "shared-multi":
-        shared_multi(args.results, [n for n in args.names.split(",") if n])
+    elif args.phase == "shared-multi":  # the shared-prefix path at TP=2, or the --names given
+        only(args.results, [n for n in args.names.split(",") if n] or [*SHARED_TP2_QUEUE, *SHARED_RAY_QUEUE])
     elif args.phase == "only":
         only(args.results, [n for n in args.names.split(",") if n])
     else:

@@ -284,3 +284,29 @@ def test_the_tp2_shared_session_runs_every_tp2_scenario_and_the_ray_ones_it_judg
     # The path-on references serve short extends on vLLM's prefill path, as the path routes them.
     for name in tp2.STOCK_PREFILL:
         assert session.ALL[name].flags[session.ALL[name].flags.index("--decode-threshold") + 1] == "1"
+
+
+def test_the_shared_multi_order_keeps_one_engine_per_gpu(monkeypatch, tmp_path):
+    """Single-GPU scenarios one per GPU, then each TP=2 one alone, then the Ray ones inside a cluster's
+    lifetime: never two engines on one GPU (vLLM 0.25.1's memory profiling fails beside another)."""
+    from scripts.gpu_harness import session
+
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(session, "ensure_checkpoint", lambda _: None)
+    monkeypatch.setattr(session, "run_scenario", lambda name, _, devices: events.append((name, devices)))
+    monkeypatch.setattr(session.ray_cluster, "start", lambda _: events.append(("ray start", "")))
+    monkeypatch.setattr(session.ray_cluster, "stop", lambda: events.append(("ray stop", "")))
+    monkeypatch.setattr(session.time, "sleep", lambda _: None)
+    singles = ["stock-shared", "shim-fa-shared-off"]
+    session.only(tmp_path, [*session.SHARED_RAY_QUEUE, *singles, *session.SHARED_TP2_QUEUE])
+    names = [n for n, _ in events]
+    # Two lanes (GPU 0, GPU 1) take them from one queue, so which GPU runs which is not fixed.
+    assert sorted(names[:2]) == sorted(singles) and {d for _, d in events[:2]} <= {"0", "1"}
+    assert names[2 : 2 + len(session.SHARED_TP2_QUEUE)] == session.SHARED_TP2_QUEUE
+    assert names[2 + len(session.SHARED_TP2_QUEUE) :] == [
+        "ray stop",
+        "ray start",
+        *session.SHARED_RAY_QUEUE,
+        "ray stop",
+    ]
+    assert all(d == "0,1" for n, d in events[2:] if not n.startswith("ray "))
