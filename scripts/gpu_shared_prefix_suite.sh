@@ -13,6 +13,10 @@
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
 #                                                       # verdicts; stock's two paths against each other
+#   bash scripts/gpu_shared_prefix_suite.sh OUT tp2      # two GPUs, vLLM 0.25+: TP=2 with mp and with Ray (Ray
+#                                                       # installed), the path on and off, stock's lifetimes, a
+#                                                       # mutant; one engine per GPU at a time; the verdicts; the
+#                                                       # records packed as OUT/tp2-scenarios.tar.gz
 #   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
 #                                                       # absorbed (the router's calibration)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
@@ -24,8 +28,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|layer|memory|fixed-cost}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|layer|memory|fixed-cost}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|tp2|layer|memory|fixed-cost}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|tp2|layer|memory|fixed-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -96,6 +100,20 @@ parity)
   cut -c1-400 "$out/pairs.txt" | tail -20
   pack
   ;;
+tp2)
+  # The records go to a folder outside OUT (the checkpoint, tens of MB, is generated into it), then
+  # into one archive: some hosts copy back only a few files.
+  work=${TMPDIR:-/tmp}/mla-shared-tp2
+  stamp "TP=2 shared-prefix scenarios (mp, then Ray) in $work"
+  "$python" -m scripts.gpu_harness.session shared-multi --results "$work" >"$out/tp2-session.log" 2>&1
+  rc=$?
+  grep "^\[" "$out/tp2-session.log" | tail -20
+  stamp "verdicts"
+  MLA_GPU_RESULTS="$work" "$python" -m pytest -q -s -rfs -p no:cacheprovider tests/gpu/test_shared_prefix_tp2.py \
+    >"$out/tp2-verdicts.txt" 2>&1 || rc=1
+  tail -12 "$out/tp2-verdicts.txt"
+  (cd "$work" && tar -czf "$out/tp2-scenarios.tar.gz" ./*.json ./*.log) || rc=1
+  ;;
 memory)
   stamp "memory: one engine at gpu_memory_utilization=0.9, the largest shared points (${SIDE:-FLASH_ATTN})"
   "$python" -m scripts.bench shared_prefix_engine --eager --sides "${SIDE:-FLASH_ATTN}" --baseline "${SIDE:-FLASH_ATTN}" \
@@ -118,7 +136,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, parity, layer, memory or fixed-cost" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, parity, tp2, layer, memory or fixed-cost" >&2
   exit 2
   ;;
 esac
