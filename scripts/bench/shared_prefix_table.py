@@ -77,11 +77,15 @@ def _seconds_cell(cell: dict[str, Any]) -> str:
     return text
 
 
+def _markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(line) + " |" for line in (columns, ["---"] * len(columns), *rows)]
+
+
 def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: str | None) -> list[str]:
     """The table in Markdown: seconds are medians; a ratio is ``median [min-max]`` of the paired ratios."""
     others = [s for s in sides if s != baseline] if baseline in sides else []
     columns = ["scenario", "P", "B", "N", *(f"{s} s" for s in sides), *(f"{s} x {baseline}" for s in others)]
-    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    rows = []
     for row in table:
         n = f"{row['new_tokens']}" + (f" (+{row['max_tokens']} out)" if row["max_tokens"] > 1 else "")
         cells = [row["scenario"], str(row["prefix_len"]), str(row["batch"]), n]
@@ -89,8 +93,8 @@ def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: st
         for s in others:
             r = row["ratios"][s]
             cells.append(f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _markdown(columns, rows)
 
 
 def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
@@ -126,12 +130,12 @@ def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[
     if not groups:
         return []
     columns = ["point", *(f"{s}: {k}" for s in sides for k in ("one step", "split"))]
-    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    rows = []
     for point, by_side in groups.items():
         cells = [point]
         for side in sides:
             for kind in ("one step", "split"):
                 times = by_side.get(side, {}).get(kind, [])
                 cells.append(f"{len(times)}: {statistics.median(times):.3f}" if times else "0")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _markdown(columns, rows)

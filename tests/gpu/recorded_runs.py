@@ -97,3 +97,37 @@ def check(kind: str, candidate: str, reference: str, judge: Any = None) -> verdi
         verdicts.append(passing[0] if passing else min(tried, key=lambda v: v.max_diff))
     failed = [v for v in verdicts if not v.passed]
     return failed[0] if failed else verdicts[0]
+
+
+# --- the shared-prefix prompt set (tests/gpu/test_shared_prefix.py, test_shared_prefix_tp2.py) ----------
+
+# The widest bound stock's lifetimes may set (on the H200: spread 0.141, bound 0.177; gpu-verification.md).
+LIFETIME_SPREAD_CAP = 0.25
+BLOCK_SLACK = 64  # the largest page size of the MLA backends: a prefix's last partial block is recomputed
+
+
+def lifetime_judge(spread: list[verdict.Verdict]) -> Any:
+    """:func:`verdict.lifetime_noise` at the bound stock's lifetimes set against each other (``spread``),
+    capped so that a stock run gone wrong cannot widen it without limit."""
+    bound = verdict.lifetime_bound(spread)
+    assert bound <= LIFETIME_SPREAD_CAP, f"stock's own spread gives {bound:.3g}, above {LIFETIME_SPREAD_CAP}"
+    return functools.partial(verdict.lifetime_noise, calibrations=spread)
+
+
+def assert_shared_prefix_served(data: dict) -> None:
+    """A shared-set run on the sharp checkpoint whose every prompt was served its prefix from the cache."""
+    assert data["weights"] == "sharp", "parity must run on the sharp checkpoint"
+    sets = engine_runner.shared_prompt_sets()
+    for key in engine_runner.SHARED_SETS:
+        records = data["results"][key]
+        assert [r["prompt_len"] for r in records] == [len(p) for p in sets[key]], key
+        cached = engine_runner.shared_cached_tokens(key)
+        short = [r["num_cached_tokens"] for r in records if r["num_cached_tokens"] < cached - BLOCK_SLACK]
+        assert not short, f"{key}: {short} cached tokens, expected >= {cached - BLOCK_SLACK}"
+        assert all(len(r["top2"]) == len(r["tokens"]) for r in records), key
+
+
+def assert_unpatched(log: str) -> None:
+    """A stock run's log: nothing of the add-on (which names itself in every line it logs; vLLM 0.25+
+    logs its own "Using X MLA prefill backend.")."""
+    assert "(mla-prefill-ext" not in log and "MLA prefill backend (" not in log

@@ -26,7 +26,17 @@ import functools
 import pytest
 
 from scripts.gpu_harness import engine_runner, scenarios, verdict
-from tests.gpu.recorded_runs import check, log_of, records, result, runs
+from tests.gpu.recorded_runs import (
+    BLOCK_SLACK,
+    assert_shared_prefix_served,
+    assert_unpatched,
+    check,
+    lifetime_judge,
+    log_of,
+    records,
+    result,
+    runs,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,9 +45,6 @@ STOCK_PREFILL = list(scenarios.SHARED_STOCK_PREFILL)  # short extends on vLLM's 
 # A segment over other blocks, a segment left out of the merge (gross), the segment's scale 2% off (subtle).
 MUTANTS = ["mutant-shared-other-prefix", "mutant-shared-drop-lse", "mutant-shared-segment-scale"]
 ADDON = ["shim-fa-shared", "shim-fa-shared-2", "shim-fa-shared-chunks", "shim-fa-shared-compiled"]  # path on
-# The widest bound stock's lifetimes may set (on the H200: spread 0.141, bound 0.177; gpu-verification.md).
-LIFETIME_SPREAD_CAP = 0.25
-BLOCK_SLACK = 64  # the largest page size of the MLA backends: a prefix's last partial block is recomputed
 
 # (candidate, reference): every candidate against every stock lifetime that serves its requests on
 # the same vLLM path.
@@ -66,10 +73,7 @@ def calibrations(group: tuple[str, ...]) -> list[verdict.Verdict]:
 
 
 def _lifetime_judge(reference: str):
-    spread = calibrations(_group(reference))
-    bound = verdict.lifetime_bound(spread)
-    assert bound <= LIFETIME_SPREAD_CAP, f"stock's own spread gives {bound:.3g}, above {LIFETIME_SPREAD_CAP}"
-    return functools.partial(verdict.lifetime_noise, calibrations=spread)
+    return lifetime_judge(calibrations(_group(reference)))
 
 
 def _ok(name: str) -> dict:
@@ -80,16 +84,7 @@ def _ok(name: str) -> dict:
 
 @pytest.mark.parametrize("name", scenarios.SHARED_SCENARIOS)
 def test_the_prefix_is_served_from_the_cache(name):
-    data = _ok(name)
-    assert data["weights"] == "sharp", "parity must run on the sharp checkpoint"
-    sets = engine_runner.shared_prompt_sets()
-    for key in engine_runner.SHARED_SETS:
-        records = data["results"][key]
-        assert [r["prompt_len"] for r in records] == [len(p) for p in sets[key]], key
-        cached = engine_runner.shared_cached_tokens(key)
-        short = [r["num_cached_tokens"] for r in records if r["num_cached_tokens"] < cached - BLOCK_SLACK]
-        assert not short, f"{key}: {short} cached tokens, expected >= {cached - BLOCK_SLACK}"
-        assert all(len(r["top2"]) == len(r["tokens"]) for r in records)
+    assert_shared_prefix_served(_ok(name))
 
 
 @pytest.mark.parametrize("group", [STOCK, STOCK_PREFILL], ids=["decode-path", "prefill-path"])
@@ -101,7 +96,7 @@ def test_stocks_own_spread_on_this_set_is_measured_and_bounded(group):
         print(f"stock against stock: {v.label}: max |logprob diff| {v.max_diff:.4g}, {len(v.flips)} flip(s)")
     bound = verdict.lifetime_bound(spread)
     print(f"lifetime bound for {group}: {bound:.4g}")
-    assert bound <= LIFETIME_SPREAD_CAP
+    lifetime_judge(spread)  # within the cap
 
 
 @pytest.mark.parametrize(("candidate", "reference"), PARITY, ids=[f"{c}-vs-{r}" for c, r in PARITY])
@@ -165,6 +160,4 @@ def test_turned_off_no_step_takes_the_shared_path():
 @pytest.mark.parametrize("name", [*STOCK, *PREFILL_REFERENCES])
 def test_stock_runs_unpatched(name):
     _ok(name)
-    log = log_of(name)
-    # The add-on names itself in every line it logs; vLLM 0.25+ logs its own "Using X MLA prefill backend."
-    assert "(mla-prefill-ext" not in log and "MLA prefill backend (" not in log
+    assert_unpatched(log_of(name))
