@@ -112,23 +112,30 @@ def timeline(driver: Sequence[tuple], core: Sequence[tuple]) -> dict[str, Any]:
     return {"requests": [[per[r].get(k) for k in keys] for r in order], "steps": steps}
 
 
-def arrival_split(trace: dict[str, Any]) -> list[int] | None:
-    """How a call's requests arrived in steps: per step that took any of them, how many (the first step
-    that began after the busy loop took a request schedules it; later steps of a chunked request and
-    steps that took none are left out). ``[16]``: all in one step; ``[10, 6]``: split by arrival.
-    None where the trace cannot say: no request, or one the busy loop was never seen taking, or taken
-    after the last step began."""
-    begins = [b for b, _ in trace["steps"]]
+def arrival_steps(trace: dict[str, Any]) -> list[tuple[int, float, float]] | None:
+    """Per step that took any of a call's requests, in order: (how many, when it began, how long it
+    took; ms from the call's first send). The first step that began after the busy loop took a
+    request schedules it; later steps of a chunked request and steps that took none are left out.
+    None where the trace cannot say: no request, or one the busy loop was never seen taking, or
+    taken after the last step began."""
+    steps = trace["steps"]
     requests = trace["requests"]
     if not requests or any(r[3] is None for r in requests):
         return None
     per_step: dict[int, int] = {}
     for request in requests:
-        first = next((i for i, b in enumerate(begins) if b >= request[3]), None)
+        first = next((i for i, (b, _) in enumerate(steps) if b >= request[3]), None)
         if first is None:
             return None
         per_step[first] = per_step.get(first, 0) + 1
-    return [per_step[i] for i in sorted(per_step)]
+    return [(per_step[i], steps[i][0], round(steps[i][1] - steps[i][0], 2)) for i in sorted(per_step)]
+
+
+def arrival_split(trace: dict[str, Any]) -> list[int] | None:
+    """How a call's requests arrived in steps (:func:`arrival_steps`' counts): ``[16]``: all in one
+    step; ``[10, 6]``: split by arrival; None where the trace cannot say."""
+    steps = arrival_steps(trace)
+    return None if steps is None else [n for n, _, _ in steps]
 
 
 def timeline_lines(label: str, trace: dict[str, Any]) -> list[str]:

@@ -2,7 +2,8 @@
 
     python -m scripts.bench engine_scenarios --results OUT/scenarios [--json bench-engine.json]
 
-Reads what ``python -m scripts.gpu_harness.scenarios --bench`` recorded (one JSON file per scenario; see
+Reads what ``python -m scripts.gpu_harness.scenarios --bench`` recorded (one JSON file per scenario, gzipped
+or not; see
 scripts/gpu_suite.sh): prompt tokens/s with ``max_tokens=1`` of ``stock`` (the add-on disabled),
 ``shim-fa`` (FLASH_ATTN) and ``shim-fi`` (FLASHINFER), each in its own engine lifetime, several
 repetitions per point. Nothing is measured here. For stock and the backends alive at once,
@@ -17,15 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scripts.gpu_harness import scenarios
+
 from . import common
 
 SIDES = ("stock", "shim-fa", "shim-fi")
 
 
 def load(results: Path, name: str) -> dict[str, Any] | None:
-    """The scenario's recorded results (``NAME.json`` in the results folder), or None."""
-    path = results / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """The scenario's recorded results (``NAME.json`` or ``NAME.json.gz`` in the results folder), or None."""
+    return scenarios.load(results, name)
 
 
 def engine_table(results: Path) -> dict[str, Any]:

@@ -53,7 +53,9 @@ in the JSON as ``arrival_traces``), how each call's requests arrived in steps (`
 ``[10, 6]``: split), and a table of the calls by that split, per side: count and median seconds of
 the calls taken in one step and of those split (``by_arrival_split``). A split call runs two
 forwards on any side, so a paired ratio over calls split differently mixes arrival with cost: compare
-the sides within one group.
+the sides within one group. Of the calls split in two, per side: the first forward's requests, when it
+began, each forward's ms (``split_forwards``: where two sides differ, in which forward). A recorded
+run's JSON gives both tables again: ``python -m scripts.bench shared_prefix_steps RUN.json``.
 
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
 backend, ``examples/counting_backend.py``, a side of its own, not one of these).
@@ -69,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from . import arrival_trace, common, engine
-from .shared_prefix_table import Raw, cache_notes, markdown, split_table, tabulate
+from .shared_prefix_table import Raw, cache_notes, markdown, split_table, step_table, tabulate
 from .shared_prefix_workload import (
     SHARED_PREFIX_ENV,
     Point,
@@ -388,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
     by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
+    forwards = step_table(traces, labels)  # and the two forwards of the calls split in two
     # Whether the path ran at all: each side's workers' counters (steps with shared segments,
     # steps whose short extends were routed) after the whole run.
     after = {label: engines[label].collective_rpc(engine.prefill_owners) for label in labels}
@@ -399,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     if by_split:
         print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
+    if forwards:
+        print("calls split in two, their forwards (medians)\n" + "\n".join(forwards), flush=True)
     common.write_json(
         args.json,
         {
@@ -412,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory": memory,
             "arrival_traces": traces,
             "by_arrival_split": by_split,
+            "split_forwards": forwards,
         },
     )
     return 0

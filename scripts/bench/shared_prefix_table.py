@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from .arrival_trace import arrival_steps
 from .shared_prefix_workload import Point
 
 Raw = dict[str, dict[str, list[Any]]]  # side -> point key -> one value per timed repetition
@@ -139,3 +140,51 @@ def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[
                 cells.append(f"{len(times)}: {statistics.median(times):.3f}" if times else "0")
         rows.append(cells)
     return _markdown(columns, rows)
+
+
+def step_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The timed calls split by arrival into two forwards (``--trace-arrivals``; nearly every call at
+    the private and fresh points), per point and side: how many, and medians of the first forward's
+    requests, when it began (ms from the call's first send), each forward's ms and the call's seconds.
+    Where two sides' calls differ, this says in which forward (the traces' step times are the engine
+    core's, around each ``step``)."""
+    groups: dict[str, dict[str, list[tuple[float, ...]]]] = {}
+    for t in traces:
+        if not t.get("rep") or "point" not in t or not t.get("steps"):
+            continue
+        steps = arrival_steps(t)
+        if steps is None or len(steps) != 2:
+            continue
+        (first, began, first_ms), (_, _, second_ms) = steps
+        row = (first, began, first_ms, second_ms, t["seconds"])
+        groups.setdefault(t["point"], {}).setdefault(t["side"], []).append(row)
+    columns = [
+        "point",
+        "side",
+        "calls",
+        "first forward's requests",
+        "began ms",
+        "first ms",
+        "second ms",
+        "call s",
+    ]
+    rows = []
+    for point, by_side in groups.items():
+        for side in sides:
+            calls = by_side.get(side)
+            if not calls:
+                continue
+            med = [statistics.median(c[i] for c in calls) for i in range(5)]
+            rows.append(
+                [
+                    point,
+                    side,
+                    str(len(calls)),
+                    f"{med[0]:g}",
+                    f"{med[1]:.1f}",
+                    f"{med[2]:.1f}",
+                    f"{med[3]:.1f}",
+                    f"{med[4]:.3f}",
+                ]
+            )
+    return _markdown(columns, rows) if rows else []

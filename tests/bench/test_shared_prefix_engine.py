@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,14 @@ import pytest
 
 from scripts.bench import engine
 from scripts.bench import shared_prefix_engine as bench
-from scripts.bench.shared_prefix_table import cache_notes, markdown, paired_ratio, split_table, tabulate
+from scripts.bench.shared_prefix_table import (
+    cache_notes,
+    markdown,
+    paired_ratio,
+    split_table,
+    step_table,
+    tabulate,
+)
 from scripts.bench.shared_prefix_workload import (
     Point,
     build_points,
@@ -455,3 +464,58 @@ def test_traced_calls_are_compared_within_how_their_requests_arrived():
         "| shared P=8192 B=16 N=128 | 1: 0.500 | 0 | 0 | 0 |",
     ]
     assert split_table([], ["stock"]) == []
+
+
+def _traced(side, seconds, taken, steps, point="fresh P=0 B=16 N=32", rep=1):
+    """A traced call: its requests taken by the busy loop at ``taken`` ms, its steps (begin, end)."""
+    return {
+        "side": side,
+        "point": point,
+        "rep": rep,
+        "seconds": seconds,
+        "requests": [[0.0, 0.1, 0.2, t] for t in taken],
+        "steps": steps,
+    }
+
+
+def test_calls_split_in_two_show_each_forward_per_side():
+    traces = [
+        # 1 request in a forward at 0.5-50.5 ms, 2 in the next (51-101); an empty step after (not counted).
+        _traced("stock", 0.102, [0.4, 3.0, 4.0], [(0.5, 50.5), (51.0, 101.0), (101.1, 101.2)]),
+        _traced("stock", 0.110, [0.4, 0.45, 4.0], [(0.6, 60.6), (61.0, 109.0)]),
+        _traced("FLASH_ATTN", 0.120, [0.9, 3.0, 4.0], [(1.0, 61.0), (62.0, 118.0)]),
+        _traced("FLASH_ATTN", 0.060, [0.9, 0.95, 0.97], [(1.0, 59.0)]),  # one forward: not in this table
+        _traced("FLASH_ATTN", 9.9, [0.9, 3.0], [(1.0, 61.0), (62.0, 118.0)], rep=0),  # the warm-up
+        _traced("FLASH_ATTN", 9.9, [0.9, None], [(1.0, 61.0), (62.0, 118.0)]),  # cannot say
+    ]
+    lines = step_table(traces, ["stock", "FLASH_ATTN", "FLASH_ATTN:noshare"])
+    assert lines[0] == (
+        "| point | side | calls | first forward's requests | began ms | first ms | second ms | call s |"
+    )
+    assert lines[2:] == [
+        "| fresh P=0 B=16 N=32 | stock | 2 | 1.5 | 0.6 | 55.0 | 49.0 | 0.106 |",
+        "| fresh P=0 B=16 N=32 | FLASH_ATTN | 1 | 1 | 1.0 | 60.0 | 56.0 | 0.120 |",
+    ]
+    assert step_table(traces[3:4], ["FLASH_ATTN"]) == []
+
+
+def test_a_recorded_runs_arrival_tables_are_read_back_from_its_json(tmp_path):
+    from scripts.bench import shared_prefix_steps
+
+    traces = [
+        {**_traced("stock", 0.102, [0.4, 3.0, 4.0], [(0.5, 50.5), (51.0, 101.0)]), "split": [1, 2]},
+        {**_traced("FLASH_ATTN", 0.06, [0.4, 0.45], [(0.5, 59.0)]), "split": [2]},
+    ]
+    run = {"sides": [{"label": "stock"}, {"label": "FLASH_ATTN"}], "arrival_traces": traces}
+    path = tmp_path / "run.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(run).encode()))
+    lines = shared_prefix_steps.tables(shared_prefix_steps.load(path))
+    assert lines[0] == "calls by arrival (count: median s)"
+    assert "| fresh P=0 B=16 N=32 | 0 | 1: 0.102 | 1: 0.060 | 0 |" in lines
+    assert lines[lines.index("calls split in two, their forwards (medians)") + 3] == (
+        "| fresh P=0 B=16 N=32 | stock | 1 | 1 | 0.5 | 50.0 | 50.0 | 0.102 |"
+    )
+    assert shared_prefix_steps.tables({"sides": [], "arrival_traces": []}) == [
+        "no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"
+    ]
+    assert shared_prefix_steps.main([str(path)]) == 0

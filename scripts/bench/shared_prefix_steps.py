@@ -1,0 +1,51 @@
+"""The engine benchmark's arrival tables, from a recorded run (its JSON with ``arrival_traces``).
+
+    python -m scripts.bench shared_prefix_steps RUN.json [RUN2.json ...]
+
+For each run (``shared_prefix_engine --trace-arrivals --json RUN.json``): the timed calls by how their
+requests arrived (one step or split), per point and side, count and median seconds; then the calls
+split in two, per point and side: how many, the first forward's requests, when it began, each
+forward's ms and the call's seconds (medians). Runs recorded before the second table existed get it
+here; a run's JSON is read as it is (gzipped too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from .common import parser
+from .shared_prefix_table import split_table, step_table
+
+
+def load(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def tables(run: dict[str, Any]) -> list[str]:
+    """Both tables of one run, as printed lines (a line saying so when it has no arrival traces)."""
+    traces = run.get("arrival_traces") or []
+    if not traces:
+        return ["no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"]
+    sides = [s["label"] if isinstance(s, dict) else s for s in run.get("sides", [])]
+    sides = sides or sorted({t["side"] for t in traces})
+    lines = ["calls by arrival (count: median s)", *split_table(traces, sides)]
+    forwards = step_table(traces, sides)
+    if forwards:
+        lines += ["calls split in two, their forwards (medians)", *forwards]
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    cli = parser(__doc__)
+    cli.add_argument("runs", nargs="+", type=Path, help="shared_prefix_engine JSON files")
+    args: argparse.Namespace = cli.parse_args(argv)
+    for path in args.runs:
+        print(f"# {path}")
+        print("\n".join(tables(load(path))))
+    return 0
