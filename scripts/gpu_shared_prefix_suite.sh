@@ -9,6 +9,10 @@
 #                                                       # (private 8k, fresh) with two stock lifetimes and the
 #                                                       # path with and without its gathering, each call's
 #                                                       # arrival traced: spread vs cost, within one split
+#   bash scripts/gpu_shared_prefix_suite.sh OUT pause    # eager, the private and fresh points: the path on and
+#                                                       # paused (all of it; plan+route; the engine core's parts)
+#                                                       # call by call in one add-on engine, next to two stock
+#                                                       # lifetimes; arrivals traced (cost vs lifetime spread)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
@@ -28,8 +32,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|tp2|layer|memory|fixed-cost}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|parity|tp2|layer|memory|fixed-cost}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parity|tp2|layer|memory|fixed-cost}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parity|tp2|layer|memory|fixed-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -68,6 +72,16 @@ control)
     --json "$out/engine-control.json" >"$out/engine-control.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|\|arrived in steps\|calls by arrival"
+  ;;
+pause)
+  stamp "the path on and paused in one engine lifetime (eager), two stock lifetimes"
+  "$python" -m scripts.bench shared_prefix_engine --eager \
+    --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan+route,FLASH_ATTN:pause-hashes+hits+gather \
+    --scenarios private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 \
+    --reps "${REPS:-200}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
+    --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|calls by arrival\|calls split in two"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
@@ -136,7 +150,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, parity, tp2, layer, memory or fixed-cost" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, pause, parity, tp2, layer, memory or fixed-cost" >&2
   exit 2
   ;;
 esac

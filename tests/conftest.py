@@ -160,3 +160,12 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             root / "tiny-mla-non-r1", qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64
         ),
     }
+
+
+@pytest.fixture
+def paused_parts() -> Iterator[Any]:
+    """The shared-prefix path's ``pause``; every part resumed after the test."""
+    from mla_prefill_ext.hosts.core.shared_prefix import switch
+
+    yield switch.pause
+    switch.pause(())

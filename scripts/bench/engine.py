@@ -110,6 +110,14 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
     }
 
 
+def pause_shared_prefix(worker: Any, parts: list[str]) -> list[str]:
+    """Runs in each worker (collective_rpc): pause those parts of the shared-prefix path in this
+    process and resume the others (``mla_prefill_ext``'s ``switch.pause``); the parts paused now."""
+    from mla_prefill_ext.hosts.core.shared_prefix import switch
+
+    return switch.pause(parts)
+
+
 def reset_memory_peak(worker: Any) -> None:
     """Runs in each worker (collective_rpc): forget the start-up's peak (vLLM's profile run), so that
     :func:`memory_peak` reads the workload's own."""

@@ -11,9 +11,13 @@ checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-o
 (``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
 ``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:gather`` (the path on, its
 engine core's gathering of a burst at 100 ms, the default; ``NAME:gather40``: 40 ms) and
-``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request). Each engine's
-workers report what owns their MLA prefill and the shared-prefix switches they see; the run stops if a
-side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
+``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request); and sides
+without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
+paused there for them (the add-on's ``switch.pause`` through ``collective_rpc``, outside the timing, one GPU),
+``NAME:pause-hashes+hits`` with those parts only (plan, route, hashes, hits, gather): the path on and off
+in one engine lifetime, where two lifetimes of one engine can differ by more than what is measured.
+Each engine's workers report what owns their MLA prefill and the shared-prefix switches they see; the
+run stops if a side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
 (``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
 unless ``--eager``.
 
@@ -81,6 +85,7 @@ from .shared_prefix_workload import (
     parse_ints,
     parse_points,
     parse_sides,
+    pauses_before_calls,
     timed_prompts,
     warm_prompts,
 )
@@ -239,7 +244,7 @@ def make_parser():
     parser.add_argument(
         "--sides",
         default=DEFAULT_SIDES,
-        help="stock, NAME, NAME:noshare, NAME:gather, NAME:nogather (comma-separated)",
+        help="stock, NAME, NAME:noshare, NAME:gather, NAME:nogather, NAME:pause[-PART+...] (comma-separated)",
     )
     parser.add_argument("--baseline", default="stock", help="the side the ratios divide by")
     parser.add_argument(
@@ -305,24 +310,37 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engines, info = {}, {}
+    own, info = {}, {}  # the engines started, by the label of the side that owns each
     for side in sides:
-        engines[side.label], info[side.label] = engine.start_engine(
-            side.backend, args, extra_env=side.extra_env, name=side.label, enable_prefix_caching=True
-        )
-        check_switch(side, info[side.label])
-    for llm in engines.values():  # the peaks reported at the end are the workload's, not the start-up's
+        if side.engine is None:
+            own[side.label], info[side.label] = engine.start_engine(
+                side.backend, args, extra_env=side.extra_env, name=side.label, enable_prefix_caching=True
+            )
+            check_switch(side, info[side.label])
+    engines = {s.label: own[s.engine or s.label] for s in sides}  # a pause side: its host's engine
+    pauses = pauses_before_calls(sides)
+    for llm in own.values():  # the peaks reported at the end are the workload's, not the start-up's
         llm.collective_rpc(engine.reset_memory_peak)
     traces: list[dict[str, Any]] = []  # --trace-arrivals: per timed call, its requests' stamps
     if args.trace_arrivals:
-        for label, llm in engines.items():
+        for label, llm in own.items():
             if not all(llm.collective_rpc(arrival_trace.install_in_engine_core)):
                 raise SystemExit(f"side {label}: no engine core in its worker's process to trace")
             arrival_trace.install_in_driver(llm)
 
+    def set_pause(side: str, parts: tuple[str, ...]) -> None:
+        """Outside the timing: the parts of the path paused in the side's engine (one GPU: the engine
+        core runs in the worker's process, so the rpc reaches every part)."""
+        if pauses[side] is None:
+            return
+        got = engines[side].collective_rpc(engine.pause_shared_prefix, args=(list(parts),))
+        if any(tuple(g) != parts for g in got):
+            raise SystemExit(f"side {side}: asked to pause {list(parts)}, the workers paused {got}")
+
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
     def warm(side: str, prompts: list[list[int]]) -> None:
+        set_pause(side, ())  # prefixes go in as the path on has them
         engines[side].generate([TokensPrompt(prompt_token_ids=p) for p in prompts], one, use_tqdm=False)
 
     path_steps: list[dict[str, Any]] = []  # per timed call: how many steps, routed, with segments
@@ -332,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=0.0, max_tokens=point.max_tokens, ignore_eos=True, detokenize=False
         )
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        set_pause(side, pauses[side] or ())
         before = path_counters(engines[side])  # outside the timing
         if args.trace_arrivals:  # earlier calls' stamps dropped
             arrival_trace.take_events()

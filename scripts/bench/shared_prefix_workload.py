@@ -23,6 +23,8 @@ NOSHARE = "noshare"
 NOGATHER = "nogather"
 GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
+PAUSE = "pause"
+PAUSE_PARTS = ("plan", "route", "hashes", "hits", "gather")  # the add-on's switch.PARTS (tested equal)
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,16 @@ class SideSpec:
     """One engine of the run: ``stock`` (the add-on disabled; ``stock:2`` another such lifetime) or
     a backend, with the shared-prefix path as the add-on sets it (default), turned off
     (``NAME:noshare``), with the engine core's gathering of a burst opted in (``NAME:gather``, 100 ms;
-    ``NAME:gather40``, 40 ms) or explicitly off (``NAME:nogather``)."""
+    ``NAME:gather40``, 40 ms) or explicitly off (``NAME:nogather``); or no engine of its own:
+    ``NAME:pause`` runs its calls on the engine of the side ``NAME`` with the path paused there for them
+    (``switch.pause``, all parts; ``NAME:pause-hashes+hits``: those parts), so the path on and off compare
+    within one engine lifetime."""
 
     label: str
     backend: str  # "stock" or the add-on's backend name, as engine.start_engine takes it
     env: tuple[tuple[str, str], ...] = ()  # more switches for this engine's processes
+    engine: str | None = None  # a pause side: the label of the side whose engine runs its calls
+    pause: tuple[str, ...] = ()  # the parts paused during this side's calls
 
     @property
     def extra_env(self) -> dict[str, str]:
@@ -77,15 +84,39 @@ def parse_sides(text: str) -> list[SideSpec]:
             side = SideSpec(f"{name.upper()}:{mode.lower()}", name.upper(), ((GATHER_ENV, window),))
         elif mode.lower() == GATHER:
             side = SideSpec(f"{name.upper()}:{GATHER}", name.upper(), ((GATHER_ENV, GATHER_MS),))
+        elif mode.lower() == PAUSE or mode.lower().startswith(PAUSE + "-"):
+            side = _pause_side(label, name.upper(), mode.lower(), sides)
         else:
             raise ValueError(
-                f"side {label!r}: unknown mode {mode!r} "
-                f"(NAME, NAME:{NOSHARE}, NAME:{GATHER}, NAME:{GATHER}MS or NAME:{NOGATHER})"
+                f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{GATHER}, "
+                f"NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART)"
             )
         if any(s.label == side.label for s in sides):
             raise ValueError(f"side {side.label!r} listed twice")
         sides.append(side)
     return sides
+
+
+def _pause_side(label: str, name: str, mode: str, earlier: list[SideSpec]) -> SideSpec:
+    """``NAME:pause[-PART+PART]``: the calls of the earlier side ``NAME`` (its own engine, the path as
+    the add-on sets it), with those parts of the path paused during them."""
+    parts = tuple(PAUSE_PARTS) if mode == PAUSE else tuple(mode[len(PAUSE) + 1 :].split("+"))
+    unknown = [p for p in parts if p not in PAUSE_PARTS]
+    if unknown or not parts:
+        raise ValueError(f"side {label!r}: unknown part(s) {unknown}; the parts are {'+'.join(PAUSE_PARTS)}")
+    host = next((s for s in earlier if s.label == name), None)
+    if host is None:
+        raise ValueError(f"side {label!r} runs on the engine of side {name!r}: list {name} before it")
+    parts = tuple(p for p in PAUSE_PARTS if p in parts)
+    suffix = PAUSE if parts == PAUSE_PARTS else f"{PAUSE}-{'+'.join(parts)}"
+    return SideSpec(f"{name}:{suffix}", host.backend, host.env, engine=host.label, pause=parts)
+
+
+def pauses_before_calls(sides: list[SideSpec]) -> dict[str, tuple[str, ...] | None]:
+    """Per side, the parts its engine pauses before each of the side's calls (``()``: none, all
+    resumed); None where its engine hosts no pause side and is never asked."""
+    hosts = {s.engine for s in sides if s.engine}
+    return {s.label: (s.pause if (s.engine or s.label) in hosts else None) for s in sides}
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:

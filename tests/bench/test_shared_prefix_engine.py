@@ -519,3 +519,49 @@ def test_a_recorded_runs_arrival_tables_are_read_back_from_its_json(tmp_path):
         "no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"
     ]
     assert shared_prefix_steps.main([str(path)]) == 0
+
+
+def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
+    from mla_prefill_ext.hosts.core.shared_prefix import switch
+    from scripts.bench.shared_prefix_workload import PAUSE_PARTS, pauses_before_calls
+
+    assert PAUSE_PARTS == switch.PARTS  # the bench's copy of the add-on's parts
+    sides = parse_sides("stock,FLASH_ATTN,flash_attn:PAUSE,FLASH_ATTN:pause-hits+hashes,FLASH_ATTN:noshare")
+    assert [(s.label, s.backend, s.engine, s.pause) for s in sides] == [
+        ("stock", "stock", None, ()),
+        ("FLASH_ATTN", "FLASH_ATTN", None, ()),
+        ("FLASH_ATTN:pause", "FLASH_ATTN", "FLASH_ATTN", PAUSE_PARTS),
+        ("FLASH_ATTN:pause-hashes+hits", "FLASH_ATTN", "FLASH_ATTN", ("hashes", "hits")),  # parts' order
+        ("FLASH_ATTN:noshare", "FLASH_ATTN", None, ()),
+    ]
+    # Before each call: the host engine resumes everything for its own side's calls and pauses for the
+    # pause sides'; engines that host none are never asked.
+    assert pauses_before_calls(sides) == {
+        "stock": None,
+        "FLASH_ATTN": (),
+        "FLASH_ATTN:pause": PAUSE_PARTS,
+        "FLASH_ATTN:pause-hashes+hits": ("hashes", "hits"),
+        "FLASH_ATTN:noshare": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("FLASH_ATTN:pause", "runs on the engine of side 'FLASH_ATTN': list FLASH_ATTN before it"),
+        ("FLASH_ATTN,FLASH_ATTN:pause-hash", r"unknown part\(s\) \['hash'\]; the parts are plan\+route"),
+        ("FLASH_ATTN,FLASH_ATTN:pause-", r"unknown part\(s\) \[''\]"),
+        ("FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause", "listed twice"),
+    ],
+)
+def test_a_pause_side_without_its_engine_or_with_unknown_parts_is_refused(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_sides(text)
+
+
+def test_the_workers_pause_is_the_add_ons_own(paused_parts):
+    from mla_prefill_ext.hosts.core.shared_prefix import switch
+
+    assert engine.pause_shared_prefix(None, ["hits", "plan"]) == ["plan", "hits"]
+    assert switch.paused("hits") and not switch.paused("gather")
+    assert engine.pause_shared_prefix(None, []) == [] and not switch.paused("hits")

@@ -477,3 +477,19 @@ def test_an_engine_core_with_vllms_hasher_never_waits(proc_class, core_config, c
     gathers = arrivals.GATHERS[0]
     proc._process_input_queue()
     assert arrivals.GATHERS[0] == gathers and "_mla_gather_s" not in proc.__dict__
+
+
+def test_paused_an_idle_engine_core_steps_at_its_first_request(
+    proc_class, core_config, opted_in, paused_parts
+):
+    config, scheduler = core_config
+    hasher = _hasher()
+    rng = random.Random(3)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    _request(prefix + [0] * BLOCK, hasher)  # the donor: the burst below would be gathered
+    paused_parts(["gather"])
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    gathers = arrivals.GATHERS[0]
+    ids = _wait_then_release(proc, [prefix + [i + 1] * BLOCK for i in range(3)])
+    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
+    assert hasher.reused_blocks > 0  # the hashes are another part: still reused

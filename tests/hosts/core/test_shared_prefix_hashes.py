@@ -334,3 +334,17 @@ def test_speculative_lookahead_hashes_are_left_to_vllm(core_modules, model_dirs,
     _engine_config_seen(core, host.make_vllm_config(model_dirs["plain"]))
     hasher = core.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"), 1)
     assert not isinstance(hasher, ReusingHasher)
+
+
+def test_paused_vllm_hashes_every_request_and_the_reuse_resumes_after(vllm_hasher, paused_parts):
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prefix = list(range(200_000, 200_000 + 32 * BLOCK))
+    request(prefix + [1] * BLOCK, reusing)  # the donor
+    paused_parts(["hashes"])
+    r = request(prefix + [2] * BLOCK, reusing)
+    assert r.block_hashes == request(prefix + [2] * BLOCK, vllm_hasher()).block_hashes
+    assert (reusing.reused_blocks, reusing.hashed_blocks) == (0, 33)  # vLLM hashed it, uncounted here
+    paused_parts(())
+    r = request(prefix + [3] * BLOCK, reusing)  # the donor from before the pause still lends
+    assert r.block_hashes == request(prefix + [3] * BLOCK, vllm_hasher()).block_hashes
+    assert reusing.reused_blocks == 32

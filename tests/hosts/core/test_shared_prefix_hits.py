@@ -282,3 +282,35 @@ def test_a_coordinator_noted_for_an_engine_that_never_makes_its_hasher_is_not_pi
     gc.collect()
     assert ref() is None
     assert prefix_hits.attach(True) == []  # the engine it was noted for is gone: nothing attached
+
+
+def test_paused_vllm_looks_every_block_up_and_the_reuse_resumes_after(hasher, paused_parts):
+    """Through the engine core's wrapper: paused, vLLM's own lookup; resumed, the memo from before
+    lends its blocks (still checked block by block)."""
+    kv, plain = manager(4096), manager(4096)
+    hits = PrefixHits(BLOCK)
+    setattr(kv.coordinator, HITS_ATTR, hits)
+    lookup = type(kv.coordinator).find_longest_cache_hit
+    kv.coordinator.find_longest_cache_hit = lambda *args: prefix_hits.find_longest_cache_hit(
+        lambda *a: lookup(kv.coordinator, *a), kv.coordinator, args, {}
+    )
+    prefix = list(range(1, 64 * BLOCK + 1))
+    warm = request([*prefix, 7], hasher, "warm")
+    for m in (kv, plain):
+        computed, n = m.get_computed_blocks(warm)[:2]
+        m.allocate_slots(warm, warm.num_tokens - n, n, computed)
+        m.free(warm)
+
+    def same(i: int) -> None:
+        req = request(prefix + [1000 + i] * 5, hasher, f"p{i}")
+        got, want = kv.get_computed_blocks(req), plain.get_computed_blocks(req)
+        assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
+
+    same(0)  # remembered
+    assert (hits.looked_up, hits.reused_hits) == (64, 0)
+    paused_parts(["hits"])
+    same(1)
+    assert (hits.looked_up, hits.reused_hits) == (64, 0)  # vLLM's lookup alone
+    paused_parts(())
+    same(2)
+    assert (hits.looked_up, hits.reused_hits) == (64, 64)

@@ -432,3 +432,42 @@ def test_the_host_block_table_is_found_for_the_runners_device_view_only(activate
     assert host is not None and host[0, :2].tolist() == [3, 4] and host[1, 0] == 5
     assert block_tables.host_rows(device[:, :1]) is None  # same address, another layout
     assert block_tables.host_rows(torch.zeros(2, 8, dtype=torch.int32)) is None
+
+
+def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshold(
+    activated, model_dirs, small_groups_pay, paused_parts
+):
+    """``switch.pause``, as a benchmark uses it between calls of one engine: each part, paused, does
+    what the path off does."""
+    import types
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    path = _path()
+    if not path.instrumented:
+        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    paused_parts(["plan"])
+    result = run_step(cfg, build_layer(cfg, None), activated)
+    assert result["shared"] is None
+    assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
+    assert result["error"] <= TOLERANCE, result
+
+    batch, scheduled = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
+    runner = types.SimpleNamespace(reorder_batch_threshold=512, input_batch=batch, _mla_shared_routing=True)
+    routing.mark_usable()
+    seen = []
+
+    def reorder(scheduler_output):
+        seen.append(runner.reorder_batch_threshold)
+
+    step = SchedulerOutput.make_empty()
+    step.num_scheduled_tokens = scheduled
+    step.total_num_scheduled_tokens = sum(scheduled.values())
+    routing.may_reorder_batch(reorder, runner, (step,), {})
+    paused_parts(["route"])
+    routing.may_reorder_batch(reorder, runner, (step,), {})
+    assert seen == [1, 512] and runner.reorder_batch_threshold == 512
+    assert routing.SHAPES[-2][2] and not routing.SHAPES[-1][2]  # routed, then not

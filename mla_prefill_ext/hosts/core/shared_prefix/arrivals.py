@@ -185,7 +185,7 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
     hasher = getattr(instance, "request_block_hasher", None)
     # Busy: new requests join at step boundaries, as in vLLM. vLLM's hasher (not an MLA model, the
     # path off, hashes that look ahead): nothing is known about shared prefixes, nothing to wait for.
-    if instance.has_work() or not isinstance(hasher, ReusingHasher):
+    if instance.has_work() or not isinstance(hasher, ReusingHasher) or switch.paused("gather"):
         return wrapped(*args, **kwargs)
     # Only what the wait takes counts (an idle scheduler can still hold finished requests' entries).
     idle = set(getattr(instance.scheduler, "requests", ()))

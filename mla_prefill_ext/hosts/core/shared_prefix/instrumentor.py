@@ -22,7 +22,7 @@ import wrapt
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Wrappers
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, routing, step, targets
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, routing, step, switch, targets
 
 
 class SharedPrefixInstrumentor:
@@ -112,6 +112,7 @@ class SharedPrefixInstrumentor:
             "steps_routed": routing.ROUTED[0],
             "steps": routing.STEPS[0],
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
+            "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks
         }
 
 

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from mla_prefill_ext.hosts.core.shared_prefix import switch
+
 DONORS = 8
 """Plain requests remembered per hasher (their leading tokens and hashes; a new request extending
 one takes its place, one it covers moves it to the front)."""
@@ -102,8 +104,8 @@ class ReusingHasher:
         self.sharing: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
 
     def __call__(self, request: Any) -> list[Any]:
-        if request.block_hashes or not is_plain(request):
-            return self.inner(request)  # later blocks (decode) and requests with extra keys
+        if request.block_hashes or not is_plain(request) or switch.paused("hashes"):
+            return self.inner(request)  # later blocks (decode), requests with extra keys, a pause
         full = request.num_tokens // self.block_size
         if full == 0:
             return self.inner(request)

@@ -29,6 +29,7 @@ import threading
 import weakref
 from typing import Any, NamedTuple
 
+from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
 
 MEMOS = 8
@@ -291,6 +292,6 @@ def latest() -> PrefixHits | None:
 def find_longest_cache_hit(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``UnitaryKVCacheCoordinator.find_longest_cache_hit``: through the coordinator's hits, if any."""
     hits = getattr(instance, HITS_ATTR, None)
-    if hits is None or kwargs:
+    if hits is None or kwargs or switch.paused("hits"):
         return wrapped(*args, **kwargs)
     return hits.find(wrapped, *args)

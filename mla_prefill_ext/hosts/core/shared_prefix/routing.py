@@ -140,7 +140,7 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     scheduled = scheduler_output.num_scheduled_tokens
     SHAPES.append((len(scheduled), scheduler_output.total_num_scheduled_tokens, False))
     threshold = instance.reorder_batch_threshold
-    if threshold is None or threshold <= 1 or not _routing_on(instance):
+    if threshold is None or threshold <= 1 or not _routing_on(instance) or switch.paused("route"):
         return wrapped(*args, **kwargs)
     lowered = step_threshold(instance.input_batch, scheduled, threshold)
     if lowered is None:

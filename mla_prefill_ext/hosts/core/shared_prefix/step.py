@@ -131,7 +131,7 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
     metadata = routing.build_with_step_threshold(wrapped, instance, args, kwargs)
     state = _state(instance)
-    if not state.decision.on:
+    if not state.decision.on or switch.paused("plan"):
         return metadata
     if state.usable is None:
         state.usable = _backends_accept(instance)
