@@ -81,7 +81,7 @@ pause)
     --reps "${REPS:-200}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|calls by arrival\|calls split in two"
+  grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3

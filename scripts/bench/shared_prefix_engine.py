@@ -57,8 +57,9 @@ in the JSON as ``arrival_traces``), how each call's requests arrived in steps (`
 ``[10, 6]``: split), and a table of the calls by that split, per side: count and median seconds of
 the calls taken in one step and of those split (``by_arrival_split``). A split call runs two
 forwards on any side, so a paired ratio over calls split differently mixes arrival with cost: compare
-the sides within one group. Of the calls split in two, per side: the first forward's requests, when it
-began, each forward's ms (``split_forwards``: where two sides differ, in which forward). A recorded
+the sides within one group. Of the calls split in two, per side: the first step's requests, when it
+began, each of the two steps' ms (``split_steps``: where two sides differ, in which step; the engine
+core's step calls, with async scheduling mostly the host's launch of each forward). A recorded
 run's JSON gives both tables again: ``python -m scripts.bench shared_prefix_steps RUN.json``.
 
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
@@ -86,6 +87,7 @@ from .shared_prefix_workload import (
     parse_points,
     parse_sides,
     pauses_before_calls,
+    sharing_an_engine,
     timed_prompts,
     warm_prompts,
 )
@@ -106,9 +108,11 @@ def take_turns(
     warm: Callable[[str, list[list[int]]], None],
     timed: Callable[[str, list[list[int]], Point, int], Timed],
     after_repetition: Callable[[int, list[str], dict[str, Raw]], bool] = lambda rep, order, raw: True,
+    own_tokens: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Raw]:
     """Run the repetitions: repetition 0 untimed, then ``reps`` timed; in each, every point, its
-    prefixes warmed on every side, then the same prompts timed on every side in a rotated order.
+    prefixes warmed on every side, then the same prompts timed on every side in a rotated order
+    (``own_tokens``: sides that share an engine, each with fresh tokens of its own).
 
     Returns the raw results, ``seconds``, ``cached_tokens`` and ``output_tokens``: each side -> point
     key -> one value per timed repetition. ``timed(side, prompts, point, rep)`` runs one call (``rep``
@@ -128,7 +132,8 @@ def take_turns(
                     warm(side, prefixes)
             prompts = timed_prompts(point, rep, vocab)
             for side in order:
-                took, hit, produced = timed(side, prompts, point, rep)
+                mine = timed_prompts(point, rep, vocab, own=side) if side in own_tokens else prompts
+                took, hit, produced = timed(side, mine, point, rep)
                 if rep:  # repetition 0 warms every shape up
                     seconds[side].setdefault(point.key, []).append(took)
                     cached[side].setdefault(point.key, []).append(hit)
@@ -383,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
 
     header = common.record(
         args={**vars(args), "model": str(args.model), "trees": {}},
-        sides=[{"label": s.label, "backend": s.backend, "env": s.extra_env} for s in sides],
+        sides=[
+            {"label": s.label, "backend": s.backend, "env": s.extra_env, "engine": s.engine, "pause": s.pause}
+            for s in sides
+        ],
         points=[p.key for p in points],
         engines=info,
     )
@@ -402,27 +410,31 @@ def main(argv: list[str] | None = None) -> int:
         common.write_json(args.json, {**header, **raw, "timed_repetitions": rep})
         return keep_going(rep, elapsed, ends[-1] - ends[-2], args.stop_after)
 
-    raw = take_turns(points, labels, args.reps, vocab, warm, timed, after_repetition)
+    raw = take_turns(
+        points, labels, args.reps, vocab, warm, timed, after_repetition, own_tokens=sharing_an_engine(sides)
+    )
     table = tabulate(
         points, labels, args.baseline, raw["seconds"], raw["output_tokens"], raw["cached_tokens"]
     )
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
     by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
-    forwards = step_table(traces, labels)  # and the two forwards of the calls split in two
-    # Whether the path ran at all: each side's workers' counters (steps with shared segments,
-    # steps whose short extends were routed) after the whole run.
-    after = {label: engines[label].collective_rpc(engine.prefill_owners) for label in labels}
+    split_steps = step_table(traces, labels)  # and the two steps of the calls split in two
+    for label in own:  # the path as the add-on sets it again, before the last reports
+        set_pause(label, ())
+    # Whether the path ran at all: each engine's workers' counters (steps with shared segments,
+    # steps whose short extends were routed) after the whole run (a pause side's are its host's).
+    after = {label: own[label].collective_rpc(engine.prefill_owners) for label in own}
     for label, workers in after.items():
         print(f"{label}: shared-prefix path {[w.get('shared_prefix') for w in workers]}", flush=True)
     print("\n".join(path_steps_lines(path_steps)), flush=True)
-    memory = {label: engines[label].collective_rpc(engine.memory_peak) for label in labels}
+    memory = {label: own[label].collective_rpc(engine.memory_peak) for label in own}
     print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     if by_split:
         print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
-    if forwards:
-        print("calls split in two, their forwards (medians)\n" + "\n".join(forwards), flush=True)
+    if split_steps:
+        print("calls split in two, their steps (medians)\n" + "\n".join(split_steps), flush=True)
     common.write_json(
         args.json,
         {
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory": memory,
             "arrival_traces": traces,
             "by_arrival_split": by_split,
-            "split_forwards": forwards,
+            "split_steps": split_steps,
         },
     )
     return 0

@@ -4,9 +4,10 @@
 
 For each run (``shared_prefix_engine --trace-arrivals --json RUN.json``): the timed calls by how their
 requests arrived (one step or split), per point and side, count and median seconds; then the calls
-split in two, per point and side: how many, the first forward's requests, when it began, each
-forward's ms and the call's seconds (medians). Runs recorded before the second table existed get it
-here; a run's JSON is read as it is (gzipped too).
+split in two, per point and side: how many, the first step's requests, when it began, each of the two
+steps' ms and the call's seconds (medians; ``shared_prefix_table.step_table`` says what a step's time
+holds). Runs recorded before the second table existed get it here; a compact record (its traces
+dropped) shows the tables it stored. A run's JSON is read as it is (gzipped too).
 """
 
 from __future__ import annotations
@@ -28,16 +29,23 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def tables(run: dict[str, Any]) -> list[str]:
-    """Both tables of one run, as printed lines (a line saying so when it has no arrival traces)."""
+    """Both tables of one run, as printed lines: made from its arrival traces, or as the run stored
+    them where the traces were dropped (a compact record); a line saying so when it has neither."""
     traces = run.get("arrival_traces") or []
     if not traces:
-        return ["no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"]
+        stored_split, stored_steps = run.get("by_arrival_split") or [], run.get("split_steps") or []
+        if not stored_split:
+            return ["no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"]
+        lines = ["calls by arrival (count: median s), as stored", *stored_split]
+        if stored_steps:
+            lines += ["calls split in two, their steps (medians), as stored", *stored_steps]
+        return lines
     sides = [s["label"] if isinstance(s, dict) else s for s in run.get("sides", [])]
     sides = sides or sorted({t["side"] for t in traces})
     lines = ["calls by arrival (count: median s)", *split_table(traces, sides)]
-    forwards = step_table(traces, sides)
-    if forwards:
-        lines += ["calls split in two, their forwards (medians)", *forwards]
+    split_steps = step_table(traces, sides)
+    if split_steps:
+        lines += ["calls split in two, their steps (medians)", *split_steps]
     return lines
 
 

@@ -143,11 +143,15 @@ def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[
 
 
 def step_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
-    """The timed calls split by arrival into two forwards (``--trace-arrivals``; nearly every call at
-    the private and fresh points), per point and side: how many, and medians of the first forward's
-    requests, when it began (ms from the call's first send), each forward's ms and the call's seconds.
-    Where two sides' calls differ, this says in which forward (the traces' step times are the engine
-    core's, around each ``step``)."""
+    """The timed calls whose requests arrived in two steps (``--trace-arrivals``; most calls at the
+    private and fresh points), per point and side: how many, and medians of the first step's requests,
+    when it began (ms from the call's first send), each of the two steps' ms and the call's seconds.
+
+    A step here is the engine core's ``step`` call (``_process_engine_step``). With async scheduling
+    (vLLM's default) a step schedules and launches its forward and returns; the next one waits for the
+    previous forward's output. So the first step's time is mostly the host's launch of the first
+    forward, the second's the launch of the second plus the rest of the first (and the second's own
+    end lands in later steps, not shown). Where two sides' calls differ, this says in which step."""
     groups: dict[str, dict[str, list[tuple[float, ...]]]] = {}
     for t in traces:
         if not t.get("rep") or "point" not in t or not t.get("steps"):
@@ -162,10 +166,10 @@ def step_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[s
         "point",
         "side",
         "calls",
-        "first forward's requests",
+        "first step's requests",
         "began ms",
-        "first ms",
-        "second ms",
+        "first step ms",
+        "second step ms",
         "call s",
     ]
     rows = []

@@ -25,6 +25,7 @@ GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
 PAUSE = "pause"
 PAUSE_PARTS = ("plan", "route", "hashes", "hits", "gather")  # the add-on's switch.PARTS (tested equal)
+PAUSE_IMPLIED = {"plan": ("route",), "hashes": ("gather",)}  # and its switch.IMPLIED
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,16 @@ def _pause_side(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
     host = next((s for s in earlier if s.label == name), None)
     if host is None:
         raise ValueError(f"side {label!r} runs on the engine of side {name!r}: list {name} before it")
-    parts = tuple(p for p in PAUSE_PARTS if p in parts)
+    parts = (*parts, *(implied for p in parts for implied in PAUSE_IMPLIED.get(p, ())))
+    parts = tuple(p for p in PAUSE_PARTS if p in parts)  # the add-on pauses what a part implies
     suffix = PAUSE if parts == PAUSE_PARTS else f"{PAUSE}-{'+'.join(parts)}"
     return SideSpec(f"{name}:{suffix}", host.backend, host.env, engine=host.label, pause=parts)
+
+
+def sharing_an_engine(sides: list[SideSpec]) -> set[str]:
+    """The sides whose engine runs another side's calls too (a pause side and its host)."""
+    hosts = {s.engine for s in sides if s.engine}
+    return {s.label for s in sides if (s.engine or s.label) in hosts}
 
 
 def pauses_before_calls(sides: list[SideSpec]) -> dict[str, tuple[str, ...] | None]:
@@ -220,9 +228,12 @@ def warm_prompts(point: Point, vocab: int) -> list[list[int]]:
     return [list(p) for p in dict.fromkeys(prefixes(point, vocab))]  # a shared prefix once
 
 
-def timed_prompts(point: Point, rep: int, vocab: int) -> list[list[int]]:
-    """Repetition ``rep``'s prompts: each request's prefix + N tokens of its own, new every repetition."""
+def timed_prompts(point: Point, rep: int, vocab: int, own: str = "") -> list[list[int]]:
+    """Repetition ``rep``'s prompts: each request's prefix + N tokens of its own, new every repetition.
+    ``own``: a side sharing its engine with another gets fresh tokens of its own (the same lengths and
+    prefixes), or the second to run would find the first's whole prompts cached."""
+    tag = f"/{own}" if own else ""
     return [
-        [*prefix, *seeded_tokens(f"{point.key}/rep{rep}/request{i}", point.new_tokens, vocab)]
+        [*prefix, *seeded_tokens(f"{point.key}/rep{rep}/request{i}{tag}", point.new_tokens, vocab)]
         for i, prefix in enumerate(prefixes(point, vocab))
     ]

@@ -490,7 +490,8 @@ def test_calls_split_in_two_show_each_forward_per_side():
     ]
     lines = step_table(traces, ["stock", "FLASH_ATTN", "FLASH_ATTN:noshare"])
     assert lines[0] == (
-        "| point | side | calls | first forward's requests | began ms | first ms | second ms | call s |"
+        "| point | side | calls | first step's requests | began ms | first step ms | second step ms "
+        "| call s |"
     )
     assert lines[2:] == [
         "| fresh P=0 B=16 N=32 | stock | 2 | 1.5 | 0.6 | 55.0 | 49.0 | 0.106 |",
@@ -512,26 +513,33 @@ def test_a_recorded_runs_arrival_tables_are_read_back_from_its_json(tmp_path):
     lines = shared_prefix_steps.tables(shared_prefix_steps.load(path))
     assert lines[0] == "calls by arrival (count: median s)"
     assert "| fresh P=0 B=16 N=32 | 0 | 1: 0.102 | 1: 0.060 | 0 |" in lines
-    assert lines[lines.index("calls split in two, their forwards (medians)") + 3] == (
+    assert lines[lines.index("calls split in two, their steps (medians)") + 3] == (
         "| fresh P=0 B=16 N=32 | stock | 1 | 1 | 0.5 | 50.0 | 50.0 | 0.102 |"
     )
     assert shared_prefix_steps.tables({"sides": [], "arrival_traces": []}) == [
         "no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"
+    ]
+    compact = {"by_arrival_split": ["| a |"], "split_steps": ["| b |"]}  # a record without its traces
+    assert shared_prefix_steps.tables(compact) == [
+        "calls by arrival (count: median s), as stored",
+        "| a |",
+        "calls split in two, their steps (medians), as stored",
+        "| b |",
     ]
     assert shared_prefix_steps.main([str(path)]) == 0
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
     from mla_prefill_ext.hosts.core.shared_prefix import switch
-    from scripts.bench.shared_prefix_workload import PAUSE_PARTS, pauses_before_calls
+    from scripts.bench.shared_prefix_workload import PAUSE_IMPLIED, PAUSE_PARTS, pauses_before_calls
 
-    assert PAUSE_PARTS == switch.PARTS  # the bench's copy of the add-on's parts
-    sides = parse_sides("stock,FLASH_ATTN,flash_attn:PAUSE,FLASH_ATTN:pause-hits+hashes,FLASH_ATTN:noshare")
+    assert PAUSE_PARTS == switch.PARTS and PAUSE_IMPLIED == switch.IMPLIED  # the bench's copies
+    sides = parse_sides("stock,FLASH_ATTN,flash_attn:PAUSE,FLASH_ATTN:pause-hits+route,FLASH_ATTN:noshare")
     assert [(s.label, s.backend, s.engine, s.pause) for s in sides] == [
         ("stock", "stock", None, ()),
         ("FLASH_ATTN", "FLASH_ATTN", None, ()),
         ("FLASH_ATTN:pause", "FLASH_ATTN", "FLASH_ATTN", PAUSE_PARTS),
-        ("FLASH_ATTN:pause-hashes+hits", "FLASH_ATTN", "FLASH_ATTN", ("hashes", "hits")),  # parts' order
+        ("FLASH_ATTN:pause-route+hits", "FLASH_ATTN", "FLASH_ATTN", ("route", "hits")),  # parts' order
         ("FLASH_ATTN:noshare", "FLASH_ATTN", None, ()),
     ]
     # Before each call: the host engine resumes everything for its own side's calls and pauses for the
@@ -540,7 +548,7 @@ def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paus
         "stock": None,
         "FLASH_ATTN": (),
         "FLASH_ATTN:pause": PAUSE_PARTS,
-        "FLASH_ATTN:pause-hashes+hits": ("hashes", "hits"),
+        "FLASH_ATTN:pause-route+hits": ("route", "hits"),
         "FLASH_ATTN:noshare": None,
     }
 
@@ -562,6 +570,59 @@ def test_a_pause_side_without_its_engine_or_with_unknown_parts_is_refused(text, 
 def test_the_workers_pause_is_the_add_ons_own(paused_parts):
     from mla_prefill_ext.hosts.core.shared_prefix import switch
 
-    assert engine.pause_shared_prefix(None, ["hits", "plan"]) == ["plan", "hits"]
+    assert engine.pause_shared_prefix(None, ["hits", "plan"]) == ["plan", "route", "hits"]
     assert switch.paused("hits") and not switch.paused("gather")
     assert engine.pause_shared_prefix(None, []) == [] and not switch.paused("hits")
+
+
+def test_a_pause_side_names_what_its_parts_imply():
+    (_, side) = parse_sides("FLASH_ATTN,FLASH_ATTN:pause-plan")
+    assert (side.label, side.pause) == ("FLASH_ATTN:pause-plan+route", ("plan", "route"))
+    (_, side) = parse_sides("FLASH_ATTN,FLASH_ATTN:pause-hashes")
+    assert (side.label, side.pause) == ("FLASH_ATTN:pause-hashes+gather", ("hashes", "gather"))
+
+
+def test_sides_that_share_an_engine_never_send_it_the_same_prompts():
+    """A pause side and its host run on one engine with prefix caching: were their fresh tokens the
+    same, the second of them each repetition would find its whole prompts cached."""
+    from scripts.bench.shared_prefix_workload import sharing_an_engine
+
+    sides = parse_sides("stock,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:noshare")
+    engine_of = {s.label: s.engine or s.label for s in sides}
+    points = build_points(["shared", "fresh"], [256], [(2, 32)], 256, [], 256, [], 8)
+    sent: dict[tuple[str, int], list[tuple[int, ...]]] = {}  # (engine, rep) -> prompts it was sent
+    by_side: dict[tuple[str, int, str], list[tuple[int, ...]]] = {}
+
+    def timed(side, prompts, point, rep):
+        got = [tuple(p) for p in prompts]
+        seen = sent.setdefault((engine_of[side], rep), [])
+        assert not set(got) & set(seen), f"{side} sent its engine prompts another side had sent"
+        seen.extend(got)
+        by_side[(side, rep, point.key)] = got
+        return 0.1, 0, 2
+
+    assert sharing_an_engine(sides) == {"FLASH_ATTN", "FLASH_ATTN:pause"}
+    bench.take_turns(
+        points,
+        [s.label for s in sides],
+        3,
+        VOCAB,
+        lambda *a: None,
+        timed,
+        own_tokens=sharing_an_engine(sides),
+    )
+    for rep in range(4):
+        for point in points:
+            key = point.key
+            # Sides with engines of their own get the same prompts; a shared engine's sides their own,
+            # of the same lengths and prefixes.
+            assert by_side[("stock", rep, key)] == by_side[("FLASH_ATTN:noshare", rep, key)]
+            ours, paused = by_side[("FLASH_ATTN", rep, key)], by_side[("FLASH_ATTN:pause", rep, key)]
+            assert (
+                [len(p) for p in ours]
+                == [len(p) for p in paused]
+                == [len(p) for p in by_side[("stock", rep, key)]]
+            )
+            assert ours != paused
+            if point.prefix_len:
+                assert [p[: point.prefix_len] for p in ours] == [p[: point.prefix_len] for p in paused]

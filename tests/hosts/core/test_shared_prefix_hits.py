@@ -295,22 +295,32 @@ def test_paused_vllm_looks_every_block_up_and_the_reuse_resumes_after(hasher, pa
         lambda *a: lookup(kv.coordinator, *a), kv.coordinator, args, {}
     )
     prefix = list(range(1, 64 * BLOCK + 1))
-    warm = request([*prefix, 7], hasher, "warm")
-    for m in (kv, plain):
-        computed, n = m.get_computed_blocks(warm)[:2]
-        m.allocate_slots(warm, warm.num_tokens - n, n, computed)
-        m.free(warm)
+
+    def warm(tag: str) -> None:
+        warm = request([*prefix, 7], hasher, tag)
+        for m in (kv, plain):
+            computed, n = m.get_computed_blocks(warm)[:2]
+            m.allocate_slots(warm, warm.num_tokens - n, n, computed)
+            m.free(warm)
 
     def same(i: int) -> None:
         req = request(prefix + [1000 + i] * 5, hasher, f"p{i}")
         got, want = kv.get_computed_blocks(req), plain.get_computed_blocks(req)
+        assert got[1] == want[1] == 64 * BLOCK
         assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
 
+    warm("warm")
     same(0)  # remembered
     assert (hits.looked_up, hits.reused_hits) == (64, 0)
     paused_parts(["hits"])
     same(1)
     assert (hits.looked_up, hits.reused_hits) == (64, 0)  # vLLM's lookup alone
+    # While paused the cache is reset and the prefix cached again (each block with a new hash object):
+    # the memo from before the pause is stale and must not lend its blocks after it.
+    assert kv.reset_prefix_cache() and plain.reset_prefix_cache()
+    warm("again")
     paused_parts(())
     same(2)
-    assert (hits.looked_up, hits.reused_hits) == (64, 64)
+    assert (hits.looked_up, hits.reused_hits) == (128, 0)  # the stale memo gave way to vLLM's lookup
+    same(3)
+    assert (hits.looked_up, hits.reused_hits) == (128, 64)  # the new memo lends

@@ -457,7 +457,6 @@ def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshol
 
     batch, scheduled = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
     runner = types.SimpleNamespace(reorder_batch_threshold=512, input_batch=batch, _mla_shared_routing=True)
-    routing.mark_usable()
     seen = []
 
     def reorder(scheduler_output):
@@ -466,8 +465,17 @@ def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshol
     step = SchedulerOutput.make_empty()
     step.num_scheduled_tokens = scheduled
     step.total_num_scheduled_tokens = sum(scheduled.values())
-    routing.may_reorder_batch(reorder, runner, (step,), {})
-    paused_parts(["route"])
-    routing.may_reorder_batch(reorder, runner, (step,), {})
-    assert seen == [1, 512] and runner.reorder_batch_threshold == 512
-    assert routing.SHAPES[-2][2] and not routing.SHAPES[-1][2]  # routed, then not
+    usable = routing._USABLE.is_set()
+    routing.mark_usable()
+    try:
+        paused_parts(())
+        routing.may_reorder_batch(reorder, runner, (step,), {})
+        paused_parts(["route"])
+        routing.may_reorder_batch(reorder, runner, (step,), {})
+        paused_parts(["plan"])  # a routed step needs its plan: routing pauses with it
+        routing.may_reorder_batch(reorder, runner, (step,), {})
+    finally:
+        if not usable:
+            routing._USABLE.clear()
+    assert seen == [1, 512, 512] and runner.reorder_batch_threshold == 512
+    assert [shape[2] for shape in list(routing.SHAPES)[-3:]] == [True, False, False]  # routed, then not

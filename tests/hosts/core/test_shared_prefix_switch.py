@@ -144,9 +144,12 @@ def test_parts_are_paused_and_resumed_in_this_process(paused_parts):
     from mla_prefill_ext.hosts.core.shared_prefix.instrumentor import INSTRUMENTOR
 
     assert not any(switch.paused(p) for p in switch.PARTS)
-    assert paused_parts(["hits", "plan"]) == ["plan", "hits"]  # in the parts' order
-    assert switch.paused("plan") and switch.paused("hits") and not switch.paused("route")
-    assert INSTRUMENTOR.report()["paused"] == ["plan", "hits"]
+    assert paused_parts(["hits", "route"]) == ["route", "hits"]  # in the parts' order
+    assert switch.paused("route") and switch.paused("hits") and not switch.paused("plan")
+    assert INSTRUMENTOR.report()["paused"] == ["route", "hits"]
+    # What a part implies: no routing without the plan, no gathering without the hash reuse's record.
+    assert paused_parts(["plan"]) == ["plan", "route"]
+    assert paused_parts(["hashes"]) == ["hashes", "gather"] and not switch.paused("plan")
     assert paused_parts() == list(switch.PARTS)  # all
     assert paused_parts(()) == [] and not any(switch.paused(p) for p in switch.PARTS)
     with pytest.raises(ValueError, match=r"unknown shared-prefix part\(s\) \['hash'\]: the parts are plan"):
