@@ -14,8 +14,10 @@ engine core's gathering of a burst at 100 ms, the default; ``NAME:gather40``: 40
 ``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request); and sides
 without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
 paused there for them (the add-on's ``switch.pause`` through ``collective_rpc``, outside the timing, one GPU),
-``NAME:pause-hashes+hits`` with those parts only (plan, route, hashes, hits, gather): the path on and off
-in one engine lifetime, where two lifetimes of one engine can differ by more than what is measured.
+``NAME:pause-route+hits`` those parts only (of plan, route, hashes, hits, gather; the plan's pause takes
+routing with it, the hashes' the gathering): the path on and off in one engine lifetime, where two
+lifetimes of one engine can differ by more than what is measured; each side on a shared engine gets fresh
+tokens of its own.
 Each engine's workers report what owns their MLA prefill and the shared-prefix switches they see; the
 run stops if a side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
 (``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
