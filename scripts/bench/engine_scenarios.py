@@ -25,14 +25,9 @@ from . import common
 SIDES = ("stock", "shim-fa", "shim-fi")
 
 
-def load(results: Path, name: str) -> dict[str, Any] | None:
-    """The scenario's recorded results (``NAME.json`` or ``NAME.json.gz`` in the results folder), or None."""
-    return scenarios.load(results, name)
-
-
 def engine_table(results: Path) -> dict[str, Any]:
     """Per point (prompt length x batch): each side's tokens/s and the add-on's sides over stock."""
-    data = {n: load(results, n) for n in SIDES}
+    data = {n: scenarios.load(results, n) for n in SIDES}  # NAME.json or NAME.json.gz, or None
     for n, d in data.items():
         if d is None or not d.get("ok") or not d.get("bench"):
             raise SystemExit(f"engine scenario {n} has no benchmark results in {results}")

@@ -115,17 +115,17 @@ def _pause_side(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
     return SideSpec(f"{name}:{suffix}", host.backend, host.env, engine=host.label, pause=parts)
 
 
-def sharing_an_engine(sides: list[SideSpec]) -> set[str]:
-    """The sides whose engine runs another side's calls too (a pause side and its host)."""
-    hosts = {s.engine for s in sides if s.engine}
-    return {s.label for s in sides if (s.engine or s.label) in hosts}
-
-
 def pauses_before_calls(sides: list[SideSpec]) -> dict[str, tuple[str, ...] | None]:
     """Per side, the parts its engine pauses before each of the side's calls (``()``: none, all
     resumed); None where its engine hosts no pause side and is never asked."""
     hosts = {s.engine for s in sides if s.engine}
     return {s.label: (s.pause if (s.engine or s.label) in hosts else None) for s in sides}
+
+
+def sharing_an_engine(sides: list[SideSpec]) -> set[str]:
+    """The sides whose engine runs another side's calls too (a pause side and its host): those asked
+    to pause before their calls."""
+    return {label for label, parts in pauses_before_calls(sides).items() if parts is not None}
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
