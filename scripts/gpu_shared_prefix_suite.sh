@@ -13,6 +13,10 @@
 #                                                       # paused (all of it; plan+route; the engine core's parts)
 #                                                       # call by call in one add-on engine, next to two stock
 #                                                       # lifetimes; arrivals traced (cost vs lifetime spread)
+#   bash scripts/gpu_shared_prefix_suite.sh OUT lifetimes  # eager, fresh prompts: three stock engines, three
+#                                                       # with the path on, two with it off, side by side
+#                                                       # (what a configuration costs vs what lifetimes of one
+#                                                       # configuration differ by)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
@@ -32,8 +36,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md, section 11.
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parity|tp2|layer|memory|fixed-cost}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parity|tp2|layer|memory|fixed-cost}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory|fixed-cost}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory|fixed-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -82,6 +86,16 @@ pause)
     --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
+  ;;
+lifetimes)
+  stamp "lifetimes (eager, fresh prompts): stock x3, the path on x3, the path off x2"
+  "$python" -m scripts.bench shared_prefix_engine --eager \
+    --sides stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2,FLASH_ATTN:3,FLASH_ATTN:noshare,FLASH_ATTN:noshare:2 \
+    --scenarios fresh --points 16x32,16x128 --reps "${REPS:-200}" --gpu-mem 0.11 --max-model-len 4096 \
+    --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
+    --json "$out/engine-lifetimes.json" >"$out/engine-lifetimes.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-lifetimes.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
@@ -150,7 +164,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, pause, parity, tp2, layer, memory or fixed-cost" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, tp2, layer, memory or fixed-cost" >&2
   exit 2
   ;;
 esac

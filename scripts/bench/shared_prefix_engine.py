@@ -11,7 +11,9 @@ checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-o
 (``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
 ``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:gather`` (the path on, its
 engine core's gathering of a burst at 100 ms, the default; ``NAME:gather40``: 40 ms) and
-``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request); and sides
+``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request);
+``stock:2``, ``NAME:2``, ``NAME:noshare:3``, ...: another engine of that configuration, its own
+lifetime (what lifetimes of one configuration differ by, against what a configuration costs); and sides
 without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
 paused there for them (the add-on's ``switch.pause`` through ``collective_rpc``, outside the timing, one GPU),
 ``NAME:pause-route+hits`` those parts only (of plan, route, hashes, hits, gather; the plan's pause takes

@@ -61,14 +61,20 @@ def parse_sides(text: str) -> list[SideSpec]:
     """``stock,FLASH_ATTN,FLASH_ATTN:noshare`` -> the run's engines, in that order.
 
     ``stock:2`` is a second stock engine: its ratio to ``stock`` is what two lifetimes of the same
-    engine differ by in this run (a control for the other sides' ratios)."""
+    engine differ by in this run (a control for the other sides' ratios); ``FLASH_ATTN:2`` and
+    ``FLASH_ATTN:noshare:2`` are the same for the add-on's sides."""
     sides: list[SideSpec] = []
     for raw in text.split(","):
         label = raw.strip()
         name, _, mode = label.partition(":")
         if not name:
             raise ValueError(f"empty side in {text!r}")
-        if name.lower() == "stock":
+        base, _, lifetime = mode.rpartition(":")
+        if name.lower() != "stock" and base and lifetime.isdigit():
+            side = _another_lifetime(label, f"{name}:{base}", int(lifetime), sides)
+        elif name.lower() != "stock" and not base and mode.isdigit():
+            side = _another_lifetime(label, name, int(mode), sides)
+        elif name.lower() == "stock":
             if mode and not (mode.isdigit() and int(mode) >= 2):
                 raise ValueError(
                     f"side {label!r}: stock runs none of the add-on, it has no {mode!r} "
@@ -97,6 +103,17 @@ def parse_sides(text: str) -> list[SideSpec]:
             raise ValueError(f"side {side.label!r} listed twice")
         sides.append(side)
     return sides
+
+
+def _another_lifetime(label: str, of: str, lifetime: int, earlier: list[SideSpec]) -> SideSpec:
+    """``NAME:2``, ``NAME:noshare:3``: another engine configured as side ``of`` (its own lifetime, as
+    ``stock:2`` is stock's), so that lifetimes of one configuration can be told from a cost."""
+    if lifetime < 2:
+        raise ValueError(f"side {label!r}: a lifetime is 2 or more ({of} itself is the first)")
+    if of.lower().partition(":")[2].startswith(PAUSE):
+        raise ValueError(f"side {label!r}: a pause side runs on another side's engine, it has no lifetime")
+    first = parse_sides(of)[0]
+    return SideSpec(f"{first.label}:{lifetime}", first.backend, first.env)
 
 
 def _pause_side(label: str, name: str, mode: str, earlier: list[SideSpec]) -> SideSpec:

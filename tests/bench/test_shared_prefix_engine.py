@@ -80,9 +80,24 @@ def test_a_second_stock_lifetime_is_a_side_of_its_own():
     ]
 
 
+def test_any_engine_side_has_more_lifetimes():
+    sides = parse_sides("FLASH_ATTN,flash_attn:2,FLASH_ATTN:noshare,FLASH_ATTN:NOSHARE:3,FLASH_ATTN:gather40:2")
+    assert [(s.label, s.backend, s.extra_env, s.engine) for s in sides] == [
+        ("FLASH_ATTN", "FLASH_ATTN", {}, None),
+        ("FLASH_ATTN:2", "FLASH_ATTN", {}, None),
+        ("FLASH_ATTN:noshare", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX": "0"}, None),
+        ("FLASH_ATTN:noshare:3", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX": "0"}, None),
+        ("FLASH_ATTN:gather40:2", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "40"}, None),
+    ]
+
+
 @pytest.mark.parametrize(
     "text, error",
     [
+        ("FLASH_ATTN:1", "a lifetime is 2 or more"),
+        ("FLASH_ATTN,FLASH_ATTN:pause:2", "a pause side runs on another side's engine"),
+        ("FLASH_ATTN:2,flash_attn:2", "listed twice"),
+        ("FLASH_ATTN:sometimes:2", "unknown mode 'sometimes'"),
         ("stock:noshare", "stock runs none of the add-on"),
         ("stock:1", "stock runs none of the add-on"),
         ("stock,stock:2,STOCK:2", "listed twice"),
