@@ -81,7 +81,9 @@ def test_a_second_stock_lifetime_is_a_side_of_its_own():
 
 
 def test_any_engine_side_has_more_lifetimes():
-    sides = parse_sides("FLASH_ATTN,flash_attn:2,FLASH_ATTN:noshare,FLASH_ATTN:NOSHARE:3,FLASH_ATTN:gather40:2")
+    sides = parse_sides(
+        "FLASH_ATTN,flash_attn:2,FLASH_ATTN:noshare,FLASH_ATTN:NOSHARE:3,FLASH_ATTN:gather40:2"
+    )
     assert [(s.label, s.backend, s.extra_env, s.engine) for s in sides] == [
         ("FLASH_ATTN", "FLASH_ATTN", {}, None),
         ("FLASH_ATTN:2", "FLASH_ATTN", {}, None),
