@@ -40,9 +40,12 @@ checked). Timed: ``LLM.generate`` with ``max_tokens=1`` (decode: ``--decode-toke
 Taking turns: every repetition runs every point on every side, in an order of sides rotating from
 repetition to repetition; one untimed repetition first. Per point: each side's median seconds and
 each side's paired ratio to stock (stock seconds / side seconds of the same repetition, above 1 =
-faster): median [min-max]. JSON (``--json``, rewritten after every repetition): the command, the
-environment (vLLM, torch, GPU), the options, each engine's start-up report, every raw time and
-cached/output token count, then the table; the Markdown table is printed.
+faster): median [min-max]. With two or more stock lifetimes (``stock,stock:2``) also each side against
+every stock lifetime (``against_stock_lifetimes``): the stock lifetimes' paired medians among themselves,
+each other side's lowest and highest, and how far its lowest lies below theirs (the first stock engine is
+one place in the spread of lifetimes, not a fixed point). JSON (``--json``, rewritten after every
+repetition): the command, the environment (vLLM, torch, GPU), the options, each engine's start-up
+report, every raw time and cached/output token count, then the table; the Markdown table is printed.
 
 Time: one engine start-up per side (each compiles unless ``--eager``), then ``--reps`` + 1 repetitions of
 every point on every side. ``--stop-after S``: no repetition starts that would end more than S
@@ -80,7 +83,15 @@ from pathlib import Path
 from typing import Any
 
 from . import arrival_trace, common, engine
-from .shared_prefix_table import Raw, cache_notes, markdown, split_table, step_table, tabulate
+from .shared_prefix_table import (
+    Raw,
+    cache_notes,
+    lifetime_table,
+    markdown,
+    split_table,
+    step_table,
+    tabulate,
+)
 from .shared_prefix_workload import (
     SHARED_PREFIX_ENV,
     Point,
@@ -422,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
+    # Against every stock lifetime (stock, stock:2, ...), where there are two or more.
+    lifetimes = lifetime_table(raw["seconds"], labels, [s.label for s in sides if s.backend == "stock"])
     by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
     split_steps = step_table(traces, labels)  # and the two steps of the calls split in two
     for label in own:  # the path as the add-on sets it again, before the last reports
@@ -435,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = {label: own[label].collective_rpc(engine.memory_peak) for label in own}
     print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
+    if lifetimes:
+        print("against every stock lifetime (paired medians)\n" + "\n".join(lifetimes), flush=True)
     if by_split:
         print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
     if split_steps:
@@ -447,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             "table": table,
             "markdown": lines,
             "notes": notes,
+            "against_stock_lifetimes": lifetimes,
             "engines_after": after,
             "path_steps": path_steps,
             "memory": memory,

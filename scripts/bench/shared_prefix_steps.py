@@ -7,7 +7,9 @@ requests arrived (one step or split), per point and side, count and median secon
 split in two, per point and side: how many, the first step's requests, when it began, each of the two
 steps' ms and the call's seconds (medians; ``shared_prefix_table.step_table`` says what a step's time
 holds). Runs recorded before the second table existed get it here; a compact record (its traces
-dropped) shows the tables it stored. A run's JSON is read as it is (gzipped too).
+dropped) shows the tables it stored. Then, where the run had two or more stock lifetimes, each side
+against every stock lifetime (``shared_prefix_table.lifetime_table``, from the raw seconds every record
+keeps). A run's JSON is read as it is (gzipped too).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import parser
-from .shared_prefix_table import split_table, step_table
+from .shared_prefix_table import lifetime_table, split_table, step_table
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -49,11 +51,21 @@ def tables(run: dict[str, Any]) -> list[str]:
     return lines
 
 
+def stock_lifetimes(run: dict[str, Any]) -> list[str]:
+    """Each side against every stock lifetime, from the run's raw seconds (none with fewer than two)."""
+    seconds = run.get("seconds") or {}
+    labels = [s["label"] if isinstance(s, dict) else s for s in run.get("sides", [])] or list(seconds)
+    stock = [label for label in labels if label == "stock" or label.startswith("stock:")]
+    table = lifetime_table(seconds, labels, stock)
+    return ["against every stock lifetime (paired medians)", *table] if table else []
+
+
 def main(argv: list[str]) -> int:
     cli = parser(__doc__)
     cli.add_argument("runs", nargs="+", type=Path, help="shared_prefix_engine JSON files")
     args: argparse.Namespace = cli.parse_args(argv)
     for path in args.runs:
         print(f"# {path}")
-        print("\n".join(tables(load(path))))
+        run = load(path)
+        print("\n".join(tables(run) + stock_lifetimes(run)))
     return 0

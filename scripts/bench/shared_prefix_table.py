@@ -98,6 +98,36 @@ def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: st
     return _markdown(columns, rows)
 
 
+def lifetime_table(seconds: Raw, sides: Sequence[str], stock: Sequence[str]) -> list[str]:
+    """Each side against every stock lifetime, per point (Markdown; none with fewer than two stock
+    lifetimes): the stock lifetimes' paired medians among themselves (every ordered pair: what one
+    configuration's lifetimes differ by in this run), then each other side's paired median against each
+    stock lifetime, its lowest and highest, and how far its lowest lies below stock's own lowest (0 when
+    it is not below: within the stock lifetimes' spread). A ratio to the first stock engine alone
+    carries that engine's own place in the spread."""
+    stock = [s for s in stock if s in seconds]
+    if len(stock) < 2:
+        return []
+    points = [key for key in seconds[stock[0]] if seconds[stock[0]][key]]
+    rows = []
+
+    def median_vs(base: str, side: str, key: str) -> float:
+        return paired_ratio(seconds[base][key], seconds[side][key])["median"]
+
+    for key in points:
+        among = [median_vs(a, b, key) for a in stock for b in stock if a != b]
+        floor = min(among)
+        rows.append([key, "stock lifetimes among themselves", f"{floor:.3f}", f"{max(among):.3f}", "-"])
+        for side in sides:
+            if side in stock or not seconds.get(side, {}).get(key):
+                continue
+            ratios = [median_vs(base, side, key) for base in stock]
+            below = max(0.0, floor - min(ratios))
+            rows.append([key, side, f"{min(ratios):.3f}", f"{max(ratios):.3f}", f"{below:.3f}"])
+    columns = ["point", "side", "lowest vs a stock lifetime", "highest", "below stock's own lowest by"]
+    return _markdown(columns, rows)
+
+
 def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
     """A line for each side and point where the prefix cache did not serve exactly the cached prefixes
     (then that row does not measure what it says)."""

@@ -21,6 +21,7 @@ from scripts.bench import engine
 from scripts.bench import shared_prefix_engine as bench
 from scripts.bench.shared_prefix_table import (
     cache_notes,
+    lifetime_table,
     markdown,
     paired_ratio,
     split_table,
@@ -544,6 +545,35 @@ def test_a_recorded_runs_arrival_tables_are_read_back_from_its_json(tmp_path):
         "| b |",
     ]
     assert shared_prefix_steps.main([str(path)]) == 0
+
+
+def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
+    from scripts.bench import shared_prefix_steps
+
+    key = "fresh P=0 B=16 N=32"
+    seconds = {
+        "stock": {key: [1.0, 2.0, 1.0]},
+        "stock:2": {key: [1.1, 2.2, 0.9]},  # vs stock 0.909 (median of 0.909, 0.909, 1.111); stock vs it 1.1
+        "FLASH_ATTN": {key: [1.0, 2.5, 1.0]},  # vs stock 1.0 (1.0, 0.8, 1.0); vs stock:2 0.9 (1.1, 0.88, 0.9)
+        "FLASH_ATTN:noshare": {key: [1.0, 2.0, 1.0]},  # vs stock 1.0; vs stock:2 1.1
+        "FLASH_ATTN:pause": {key: []},  # not reached: no row
+    }
+    sides = ["stock", "stock:2", "FLASH_ATTN", "FLASH_ATTN:noshare", "FLASH_ATTN:pause"]
+    lines = lifetime_table(seconds, sides, ["stock", "stock:2"])
+    assert lines[2:] == [
+        f"| {key} | stock lifetimes among themselves | 0.909 | 1.100 | - |",
+        f"| {key} | FLASH_ATTN | 0.900 | 1.000 | 0.009 |",
+        f"| {key} | FLASH_ATTN:noshare | 1.000 | 1.100 | 0.000 |",
+    ]
+    assert lifetime_table(seconds, sides, ["stock"]) == []  # one lifetime: nothing to compare with
+    run = {"sides": [{"label": s} for s in sides], "seconds": seconds}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert shared_prefix_steps.stock_lifetimes(shared_prefix_steps.load(path)) == [
+        "against every stock lifetime (paired medians)",
+        *lines,
+    ]
+    assert shared_prefix_steps.stock_lifetimes({"sides": [{"label": "stock"}], "seconds": seconds}) == []
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
