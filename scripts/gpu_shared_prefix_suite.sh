@@ -16,7 +16,8 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT lifetimes  # eager, fresh prompts: three stock engines, three
 #                                                       # with the path on, two with it off, side by side
 #                                                       # (what a configuration costs vs what lifetimes of one
-#                                                       # configuration differ by)
+#                                                       # configuration differ by); COMPILED=1: compiled, CUDA
+#                                                       # graphs, fresh 16 x 128, stock x3 and the path on x2
 #   bash scripts/gpu_shared_prefix_suite.sh OUT parity   # tiny sharp checkpoint: two stock lifetimes, three with
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
@@ -88,14 +89,20 @@ pause)
   grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
   ;;
 lifetimes)
-  stamp "lifetimes (eager, fresh prompts): stock x3, the path on x3, the path off x2"
-  "$python" -m scripts.bench shared_prefix_engine --eager \
-    --sides stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2,FLASH_ATTN:3,FLASH_ATTN:noshare,FLASH_ATTN:noshare:2 \
-    --scenarios fresh --points 16x32,16x128 --reps "${REPS:-200}" --gpu-mem 0.11 --max-model-len 4096 \
-    --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
-    --json "$out/engine-lifetimes.json" >"$out/engine-lifetimes.log" 2>&1
+  if [[ ${COMPILED:-0} == 1 ]]; then  # each engine compiles: fewer of them, the one compiled point left open
+    stamp "lifetimes (compiled, CUDA graphs, fresh 16 x 128): stock x3, the path on x2"
+    mode=() sides=stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2 points=16x128 mem=0.17
+  else
+    stamp "lifetimes (eager, fresh prompts): stock x3, the path on x3, the path off x2"
+    mode=(--eager) sides=stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2,FLASH_ATTN:3,FLASH_ATTN:noshare,FLASH_ATTN:noshare:2
+    points=16x32,16x128 mem=0.11
+  fi
+  "$python" -m scripts.bench shared_prefix_engine "${mode[@]}" --sides "$sides" --scenarios fresh \
+    --points "$points" --reps "${REPS:-200}" --gpu-mem "$mem" --max-model-len 4096 --trace-arrivals \
+    --stop-after "${STOP_AFTER:-470}" --json "$out/engine-lifetimes.json" >"$out/engine-lifetimes.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-lifetimes.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
+  grep -v "WARNING\|INFO" "$out/engine-lifetimes.log" |
+    grep "^|\|^note:\|calls by arrival\|calls split in two\|against every stock lifetime"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
