@@ -86,22 +86,23 @@ pause)
     --reps "${REPS:-200}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-pause.log" | grep "^|\|^note:\|calls by arrival\|calls split in two"
+  grep -v "WARNING\|INFO" "$out/engine-pause.log" |
+    grep "^|\|^note:\|calls by arrival\|calls split in two\|against every stock lifetime\|in one engine lifetime"
   ;;
 lifetimes)
   if [[ ${COMPILED:-0} == 1 ]]; then  # each engine compiles: fewer of them, the one compiled point left open
     stamp "lifetimes (compiled, CUDA graphs, fresh 16 x 128): stock x3, the path on x2"
-    mode=() sides=stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2 points=16x128 mem=0.17
+    mode=() sides=stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2 points=16x128 mem=0.17 name=lifetimes-compiled
   else
     stamp "lifetimes (eager, fresh prompts): stock x3, the path on x3, the path off x2"
     mode=(--eager) sides=stock,stock:2,stock:3,FLASH_ATTN,FLASH_ATTN:2,FLASH_ATTN:3,FLASH_ATTN:noshare,FLASH_ATTN:noshare:2
-    points=16x32,16x128 mem=0.11
+    points=16x32,16x128 mem=0.11 name=lifetimes
   fi
   "$python" -m scripts.bench shared_prefix_engine "${mode[@]}" --sides "$sides" --scenarios fresh \
     --points "$points" --reps "${REPS:-200}" --gpu-mem "$mem" --max-model-len 4096 --trace-arrivals \
-    --stop-after "${STOP_AFTER:-470}" --json "$out/engine-lifetimes.json" >"$out/engine-lifetimes.log" 2>&1
+    --stop-after "${STOP_AFTER:-470}" --json "$out/engine-$name.json" >"$out/engine-$name.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-lifetimes.log" |
+  grep -v "WARNING\|INFO" "$out/engine-$name.log" |
     grep "^|\|^note:\|calls by arrival\|calls split in two\|against every stock lifetime"
   ;;
 parity)

@@ -43,7 +43,9 @@ each side's paired ratio to stock (stock seconds / side seconds of the same repe
 faster): median [min-max]. With two or more stock lifetimes (``stock,stock:2``) also each side against
 every stock lifetime (``against_stock_lifetimes``): the stock lifetimes' paired medians among themselves,
 each other side's lowest and highest, and how far its lowest lies below theirs (the first stock engine is
-one place in the spread of lifetimes, not a fixed point). JSON (``--json``, rewritten after every
+one place in the spread of lifetimes, not a fixed point). With pause sides, each against its host side
+(``pause_vs_host``): host seconds / pause seconds in their one engine lifetime, median with a 95% bootstrap
+interval (what the parts cost there, and what the run can resolve). JSON (``--json``, rewritten after every
 repetition): the command, the environment (vLLM, torch, GPU), the options, each engine's start-up
 report, every raw time and cached/output token count, then the table; the Markdown table is printed.
 
@@ -88,6 +90,7 @@ from .shared_prefix_table import (
     cache_notes,
     lifetime_table,
     markdown,
+    pause_table,
     split_table,
     step_table,
     tabulate,
@@ -435,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = cache_notes(table)
     # Against every stock lifetime (stock, stock:2, ...), where there are two or more.
     lifetimes = lifetime_table(raw["seconds"], labels, [s.label for s in sides if s.backend == "stock"])
+    # Each pause side against its host, in their one engine lifetime.
+    paused = pause_table(raw["seconds"], {s.label: s.engine for s in sides if s.engine})
     by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
     split_steps = step_table(traces, labels)  # and the two steps of the calls split in two
     for label in own:  # the path as the add-on sets it again, before the last reports
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     if lifetimes:
         print("against every stock lifetime (paired medians)\n" + "\n".join(lifetimes), flush=True)
+    if paused:
+        print("the path on / paused, in one engine lifetime\n" + "\n".join(paused), flush=True)
     if by_split:
         print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
     if split_steps:
@@ -463,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             "markdown": lines,
             "notes": notes,
             "against_stock_lifetimes": lifetimes,
+            "pause_vs_host": paused,
             "engines_after": after,
             "path_steps": path_steps,
             "memory": memory,

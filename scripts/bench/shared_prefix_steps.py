@@ -1,4 +1,4 @@
-"""The engine benchmark's arrival tables, from a recorded run (its JSON with ``arrival_traces``).
+"""The engine benchmark's tables from a recorded run: arrivals, every stock lifetime, pauses.
 
     python -m scripts.bench shared_prefix_steps RUN.json [RUN2.json ...]
 
@@ -7,9 +7,10 @@ requests arrived (one step or split), per point and side, count and median secon
 split in two, per point and side: how many, the first step's requests, when it began, each of the two
 steps' ms and the call's seconds (medians; ``shared_prefix_table.step_table`` says what a step's time
 holds). Runs recorded before the second table existed get it here; a compact record (its traces
-dropped) shows the tables it stored. Then, where the run had two or more stock lifetimes, each side
-against every stock lifetime (``shared_prefix_table.lifetime_table``, from the raw seconds every record
-keeps). A run's JSON is read as it is (gzipped too).
+dropped) shows the tables it stored. Then, from the raw seconds every record keeps, where the run had two
+or more stock lifetimes each side against every stock lifetime (``shared_prefix_table.lifetime_table``),
+and where it had pause sides each against its host (``shared_prefix_table.pause_table``). A run's JSON
+is read as it is (gzipped too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import parser
-from .shared_prefix_table import lifetime_table, split_table, step_table
+from .shared_prefix_table import lifetime_table, pause_table, split_table, step_table
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -51,13 +52,22 @@ def tables(run: dict[str, Any]) -> list[str]:
     return lines
 
 
-def stock_lifetimes(run: dict[str, Any]) -> list[str]:
-    """Each side against every stock lifetime, from the run's raw seconds (none with fewer than two)."""
+def comparisons(run: dict[str, Any]) -> list[str]:
+    """From the run's raw seconds: each side against every stock lifetime (with two or more), and each
+    pause side against its host side (runs that stored their sides with the engine each ran on)."""
     seconds = run.get("seconds") or {}
-    labels = [s["label"] if isinstance(s, dict) else s for s in run.get("sides", [])] or list(seconds)
+    sides = run.get("sides") or []
+    labels = [s["label"] if isinstance(s, dict) else s for s in sides] or list(seconds)
     stock = [label for label in labels if label == "stock" or label.startswith("stock:")]
+    lines = []
     table = lifetime_table(seconds, labels, stock)
-    return ["against every stock lifetime (paired medians)", *table] if table else []
+    if table:
+        lines += ["against every stock lifetime (paired medians)", *table]
+    hosts = {s["label"]: s["engine"] for s in sides if isinstance(s, dict) and s.get("engine")}
+    table = pause_table(seconds, hosts)
+    if table:
+        lines += ["the path on / paused, in one engine lifetime", *table]
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -67,5 +77,5 @@ def main(argv: list[str]) -> int:
     for path in args.runs:
         print(f"# {path}")
         run = load(path)
-        print("\n".join(tables(run) + stock_lifetimes(run)))
+        print("\n".join(tables(run) + comparisons(run)))
     return 0

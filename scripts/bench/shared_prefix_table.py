@@ -7,6 +7,7 @@ median of those, with their min and max.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -98,33 +99,79 @@ def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: st
     return _markdown(columns, rows)
 
 
+def _timed(seconds: Raw, side: str, key: str, reps: int) -> bool:
+    """Whether ``side`` timed point ``key`` in each of the ``reps`` repetitions (pairs need as many)."""
+    return len(seconds.get(side, {}).get(key) or ()) == reps > 0
+
+
 def lifetime_table(seconds: Raw, sides: Sequence[str], stock: Sequence[str]) -> list[str]:
     """Each side against every stock lifetime, per point (Markdown; none with fewer than two stock
-    lifetimes): the stock lifetimes' paired medians among themselves (every ordered pair: what one
-    configuration's lifetimes differ by in this run), then each other side's paired median against each
-    stock lifetime, its lowest and highest, and how far its lowest lies below stock's own lowest (0 when
-    it is not below: within the stock lifetimes' spread). A ratio to the first stock engine alone
-    carries that engine's own place in the spread."""
+    lifetimes timed there): the stock lifetimes' paired medians among themselves (every ordered pair:
+    what one configuration's lifetimes differ by in this run), then each other side's paired median
+    against each stock lifetime, its lowest and highest, and how far its lowest lies below stock's own
+    lowest. That last column is above 0 only for a side slower than every stock lifetime (were all
+    engines alike, one side in k + 1 would be, with k stock lifetimes): 0 says the side is not the
+    slowest, not that it equals stock. A ratio to the first stock engine alone carries that engine's
+    own place in the spread. A side (a stock lifetime too) not timed in every repetition of a point is
+    left out there."""
     stock = [s for s in stock if s in seconds]
-    if len(stock) < 2:
-        return []
-    points = [key for key in seconds[stock[0]] if seconds[stock[0]][key]]
+    keys = list(dict.fromkeys(key for s in stock for key in seconds[s]))
     rows = []
 
     def median_vs(base: str, side: str, key: str) -> float:
         return paired_ratio(seconds[base][key], seconds[side][key])["median"]
 
-    for key in points:
-        among = [median_vs(a, b, key) for a in stock for b in stock if a != b]
+    for key in keys:
+        reps = len(seconds[stock[0]].get(key) or ())
+        timed = [s for s in stock if _timed(seconds, s, key, reps)]
+        if len(timed) < 2:
+            continue
+        among = [median_vs(a, b, key) for a in timed for b in timed if a != b]
         floor = min(among)
         rows.append([key, "stock lifetimes among themselves", f"{floor:.3f}", f"{max(among):.3f}", "-"])
         for side in sides:
-            if side in stock or not seconds.get(side, {}).get(key):
+            if side in stock or not _timed(seconds, side, key, reps):
                 continue
-            ratios = [median_vs(base, side, key) for base in stock]
+            ratios = [median_vs(base, side, key) for base in timed]
             below = max(0.0, floor - min(ratios))
             rows.append([key, side, f"{min(ratios):.3f}", f"{max(ratios):.3f}", f"{below:.3f}"])
+    if not rows:
+        return []
     columns = ["point", "side", "lowest vs a stock lifetime", "highest", "below stock's own lowest by"]
+    return _markdown(columns, rows)
+
+
+def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> list[str]:
+    """Each pause side against the side whose engine ran its calls (``hosts``: pause side -> host), per
+    point (Markdown; none without pause sides): the paired ratio host seconds / pause seconds, median
+    with a 95% bootstrap interval of that median (``resamples`` draws of the repetitions, seeded), and
+    its min-max. Above 1: the calls ran faster with those parts paused (what the parts cost in that one
+    engine lifetime); the interval's width is what the run can resolve."""
+    rng = random.Random(0)  # the same record gives the same interval
+    rows = []
+    keys = list(dict.fromkeys(key for pause in hosts for key in seconds.get(pause) or {}))
+    for key in keys:
+        for pause, host in hosts.items():
+            times = (seconds.get(pause) or {}).get(key) or []
+            if not times or not _timed(seconds, host, key, len(times)):
+                continue
+            ratios = [h / p for h, p in zip(seconds[host][key], times, strict=True)]
+            draws = (statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+            medians = sorted(draws)
+            low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+            median = statistics.median(ratios)
+            rows.append(
+                [
+                    key,
+                    f"{host} / {pause}",
+                    str(len(ratios)),
+                    f"{median:.3f} [{low:.3f}-{high:.3f}]",
+                    f"{min(ratios):.3f}-{max(ratios):.3f}",
+                ]
+            )
+    if not rows:
+        return []
+    columns = ["point", "host / pause side", "pairs", "median [95% interval]", "min-max"]
     return _markdown(columns, rows)
 
 

@@ -69,50 +69,66 @@ def parse_sides(text: str) -> list[SideSpec]:
         name, _, mode = label.partition(":")
         if not name:
             raise ValueError(f"empty side in {text!r}")
-        base, _, lifetime = mode.rpartition(":")
-        if name.lower() != "stock" and base and lifetime.isdigit():
-            side = _another_lifetime(label, f"{name}:{base}", int(lifetime), sides)
-        elif name.lower() != "stock" and not base and mode.isdigit():
-            side = _another_lifetime(label, name, int(mode), sides)
-        elif name.lower() == "stock":
-            if mode and not (mode.isdigit() and int(mode) >= 2):
+        mode, lifetime = _split_lifetime(label, mode)
+        if name.lower() == "stock":
+            if mode or (lifetime is not None and lifetime < 2):
                 raise ValueError(
-                    f"side {label!r}: stock runs none of the add-on, it has no {mode!r} "
+                    f"side {label!r}: stock runs none of the add-on, it has no {mode or str(lifetime)!r} "
                     "(stock:2, stock:3, ...: another stock lifetime, the noise floor of a paired ratio)"
                 )
-            side = SideSpec(f"stock:{int(mode)}" if mode else "stock", "stock")
-        elif not mode:
-            side = SideSpec(name.upper(), name.upper())
-        elif mode.lower() == NOSHARE:
-            side = SideSpec(f"{name.upper()}:{NOSHARE}", name.upper(), ((SHARED_PREFIX_ENV, "0"),))
-        elif mode.lower() == NOGATHER or (
-            mode.lower().startswith(GATHER) and _window_ms(mode[len(GATHER) :]) is not None
-        ):
-            window = "0" if mode.lower() == NOGATHER else mode[len(GATHER) :]
-            side = SideSpec(f"{name.upper()}:{mode.lower()}", name.upper(), ((GATHER_ENV, window),))
-        elif mode.lower() == GATHER:
-            side = SideSpec(f"{name.upper()}:{GATHER}", name.upper(), ((GATHER_ENV, GATHER_MS),))
-        elif mode.lower() == PAUSE or mode.lower().startswith(PAUSE + "-"):
-            side = _pause_side(label, name.upper(), mode.lower(), sides)
+            side = SideSpec(f"stock:{lifetime}" if lifetime else "stock", "stock")
         else:
-            raise ValueError(
-                f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{GATHER}, "
-                f"NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART)"
-            )
+            side = _configured(label, name.upper(), mode, sides)
+            if lifetime is not None:
+                side = _another_lifetime(label, side, lifetime)
         if any(s.label == side.label for s in sides):
             raise ValueError(f"side {side.label!r} listed twice")
         sides.append(side)
     return sides
 
 
-def _another_lifetime(label: str, of: str, lifetime: int, earlier: list[SideSpec]) -> SideSpec:
-    """``NAME:2``, ``NAME:noshare:3``: another engine configured as side ``of`` (its own lifetime, as
+def _split_lifetime(label: str, mode: str) -> tuple[str, int | None]:
+    """``noshare:2`` -> (``noshare``, 2), ``2`` -> ("", 2), ``noshare`` -> (``noshare``, None): a side's
+    mode and the lifetime number that may end it (one mode, one number, in that order)."""
+    *rest, last = mode.split(":")
+    number = last.isascii() and last.isdigit()
+    if len(rest) > (1 if number else 0) or any(p.isascii() and p.isdigit() for p in rest):
+        raise ValueError(
+            f"side {label!r}: write NAME, NAME:MODE, NAME:N or NAME:MODE:N (one mode, then at most one "
+            "lifetime number, e.g. FLASH_ATTN:noshare:2)"
+        )
+    return (":".join(rest), int(last)) if number else (mode, None)
+
+
+def _configured(label: str, name: str, mode: str, earlier: list[SideSpec]) -> SideSpec:
+    """Side ``NAME[:MODE]`` of a backend: its engine's switches, or the engine it shares (a pause side)."""
+    if not mode:
+        return SideSpec(name, name)
+    if mode.lower() == NOSHARE:
+        return SideSpec(f"{name}:{NOSHARE}", name, ((SHARED_PREFIX_ENV, "0"),))
+    if mode.lower() == NOGATHER or (
+        mode.lower().startswith(GATHER) and _window_ms(mode[len(GATHER) :]) is not None
+    ):
+        window = "0" if mode.lower() == NOGATHER else mode[len(GATHER) :]
+        return SideSpec(f"{name}:{mode.lower()}", name, ((GATHER_ENV, window),))
+    if mode.lower() == GATHER:
+        return SideSpec(f"{name}:{GATHER}", name, ((GATHER_ENV, GATHER_MS),))
+    if mode.lower() == PAUSE or mode.lower().startswith(PAUSE + "-"):
+        return _pause_side(label, name, mode.lower(), earlier)
+    raise ValueError(
+        f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{GATHER}, "
+        f"NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART; any but a pause "
+        "side with :N, another lifetime)"
+    )
+
+
+def _another_lifetime(label: str, first: SideSpec, lifetime: int) -> SideSpec:
+    """``NAME:2``, ``NAME:noshare:3``: another engine configured as ``first`` (its own lifetime, as
     ``stock:2`` is stock's), so that lifetimes of one configuration can be told from a cost."""
-    if lifetime < 2:
-        raise ValueError(f"side {label!r}: a lifetime is 2 or more ({of} itself is the first)")
-    if of.lower().partition(":")[2].startswith(PAUSE):
+    if first.engine:
         raise ValueError(f"side {label!r}: a pause side runs on another side's engine, it has no lifetime")
-    first = parse_sides(of)[0]
+    if lifetime < 2:
+        raise ValueError(f"side {label!r}: a lifetime is 2 or more ({first.label} itself is the first)")
     return SideSpec(f"{first.label}:{lifetime}", first.backend, first.env)
 
 

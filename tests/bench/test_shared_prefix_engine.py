@@ -24,6 +24,7 @@ from scripts.bench.shared_prefix_table import (
     lifetime_table,
     markdown,
     paired_ratio,
+    pause_table,
     split_table,
     step_table,
     tabulate,
@@ -101,6 +102,12 @@ def test_any_engine_side_has_more_lifetimes():
         ("FLASH_ATTN,FLASH_ATTN:pause:2", "a pause side runs on another side's engine"),
         ("FLASH_ATTN:2,flash_attn:2", "listed twice"),
         ("FLASH_ATTN:sometimes:2", "unknown mode 'sometimes'"),
+        ("FLASH_ATTN:noshare:2:3", "one mode, then at most one lifetime number"),
+        ("FLASH_ATTN:2:2", "one mode, then at most one lifetime number"),
+        ("FLASH_ATTN:2:pause", "one mode, then at most one lifetime number"),
+        ("stock:2:3", "one mode, then at most one lifetime number"),
+        ("FLASH_ATTN:²", "unknown mode '²'"),
+        ("stock:²", "stock runs none of the add-on"),
         ("stock:noshare", "stock runs none of the add-on"),
         ("stock:1", "stock runs none of the add-on"),
         ("stock,stock:2,STOCK:2", "listed twice"),
@@ -566,14 +573,55 @@ def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
         f"| {key} | FLASH_ATTN:noshare | 1.000 | 1.100 | 0.000 |",
     ]
     assert lifetime_table(seconds, sides, ["stock"]) == []  # one lifetime: nothing to compare with
+    # A run cut short: a side or a stock lifetime without every repetition of a point is left out.
+    short = {**seconds, "FLASH_ATTN": {key: [1.0, 2.5]}}
+    assert [line.split(" | ")[1] for line in lifetime_table(short, sides, ["stock", "stock:2"])[2:]] == [
+        "stock lifetimes among themselves",
+        "FLASH_ATTN:noshare",
+    ]
+    assert lifetime_table({**seconds, "stock:2": {}}, sides, ["stock", "stock:2"]) == []
+    third = {**seconds, "stock:3": {key: [1.0]}}  # a third stock lifetime cut short: the two others compared
+    assert lifetime_table(third, sides, ["stock", "stock:2", "stock:3"]) == lines
     run = {"sides": [{"label": s} for s in sides], "seconds": seconds}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
-    assert shared_prefix_steps.stock_lifetimes(shared_prefix_steps.load(path)) == [
+    assert shared_prefix_steps.comparisons(shared_prefix_steps.load(path)) == [
         "against every stock lifetime (paired medians)",
         *lines,
     ]
-    assert shared_prefix_steps.stock_lifetimes({"sides": [{"label": "stock"}], "seconds": seconds}) == []
+    assert shared_prefix_steps.comparisons({"sides": [{"label": "stock"}], "seconds": seconds}) == []
+
+
+def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
+    from scripts.bench import shared_prefix_steps
+
+    key = "private P=8192 B=16 N=128"
+    seconds = {
+        "stock": {key: [1.0] * 5},
+        "FLASH_ATTN": {key: [1.0, 1.1, 1.2, 1.3, 1.4]},
+        "FLASH_ATTN:pause": {key: [1.0, 1.0, 1.0, 1.0, 1.0]},  # host / pause: 1.0, 1.1, 1.2, 1.3, 1.4
+        "FLASH_ATTN:pause-plan+route": {key: [1.0, 1.1]},  # not every repetition: left out
+    }
+    hosts = {"FLASH_ATTN:pause": "FLASH_ATTN", "FLASH_ATTN:pause-plan+route": "FLASH_ATTN"}
+    lines = pause_table(seconds, hosts)
+    assert lines[0] == "| point | host / pause side | pairs | median [95% interval] | min-max |"
+    assert len(lines) == 3
+    cells = lines[2].split(" | ")
+    assert cells[1:3] == ["FLASH_ATTN / FLASH_ATTN:pause", "5"]
+    assert cells[3].startswith("1.200 [") and cells[4] == "1.000-1.400 |"
+    low, high = (float(v) for v in cells[3][len("1.200 [") : -1].split("-"))
+    assert 1.0 <= low < 1.2 < high <= 1.4  # the median of 5 draws from these five ratios
+    assert pause_table(seconds, hosts) == lines  # seeded: one record, one interval
+    assert pause_table(seconds, {}) == []
+    run = {
+        "sides": [
+            {"label": "stock", "engine": None},
+            {"label": "FLASH_ATTN", "engine": None},
+            {"label": "FLASH_ATTN:pause", "engine": "FLASH_ATTN"},
+        ],
+        "seconds": {k: v for k, v in seconds.items() if k != "FLASH_ATTN:pause-plan+route"},
+    }
+    assert shared_prefix_steps.comparisons(run) == ["the path on / paused, in one engine lifetime", *lines]
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
