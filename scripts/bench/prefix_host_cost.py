@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of vLLM's own handling of requests over a cached prefix, part by part, on the CPU.
 
-    python -m scripts.bench prefix_host_cost [--requests 16] [--prefix 32768] [--new 1]
+    python -m scripts.bench prefix_host_cost [--requests 16] [--prefix 32768] [--private] [--new 1]
         [--block-size 64 [16 ...]] [--repeats 5] [--torch-threads 1] [--hasher stock|reuse]
         [--hits stock|reuse] [--json out.json]
 
@@ -31,7 +31,9 @@ length 40960), stage by stage in the order the request travels:
 
 Before the timed calls one request holding the prefix alone is allocated in the ``KVCacheManager``
 and freed (its full blocks stay cached); every call then sends new request ids and new tokens after
-the prefix, so only the prefix hits the cache (the cached tokens are recorded per call). One untimed
+the prefix, so only the prefix hits the cache (the cached tokens are recorded per call). ``--private``:
+each request its own prefix of ``--prefix`` tokens (the engine benchmark's private point), each cached the
+same way, the same ones in every call. One untimed
 call first, then ``--repeats`` timed ones; per part the median and the minimum (ms), timed with
 ``time.perf_counter`` around all of a call's requests. The total adds the parts, not the "of which"
 rows (already inside ``schedule()`` and ``update_from_output``). As EngineCore does after start-up,
@@ -502,7 +504,7 @@ class KVTimer:
         return out
 
 
-def warm_prefix(engine: Engine, prefix: list[int]) -> int:
+def warm_prefix(engine: Engine, prefix: list[int], request_id: str = "prefix") -> int:
     """One request holding the prefix alone, allocated in the KVCacheManager and freed: its full
     blocks stay in the prefix cache. Returns how many blocks it cached."""
     from vllm import SamplingParams
@@ -511,7 +513,7 @@ def warm_prefix(engine: Engine, prefix: list[int]) -> int:
     proc, kvm = engine.driver["processor"], engine.scheduler.kv_cache_manager
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = proc.renderer.render_cmpl([{"prompt_token_ids": prefix}])[0]
-    core_req = proc.process_inputs("prefix", prompt, params, supported_tasks=("generate",))
+    core_req = proc.process_inputs(request_id, prompt, params, supported_tasks=("generate",))
     req = Request.from_engine_core_request(core_req, engine.core["hasher"])
     blocks, hit = kvm.get_computed_blocks(req)
     kvm.allocate_slots(req, req.num_tokens - hit, hit, blocks)
@@ -521,8 +523,14 @@ def warm_prefix(engine: Engine, prefix: list[int]) -> int:
 
 def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
     engine = Engine(block_size, args.hasher, args.hits)
-    prefix = common.seeded_tokens("prefix", args.prefix, engine.vocab)
+    if args.private:  # each request its own cached prefix, the same ones in every call
+        prefixes = [
+            common.seeded_tokens(f"prefix{i}", args.prefix, engine.vocab) for i in range(args.requests)
+        ]
+    else:
+        prefixes = [common.seeded_tokens("prefix", args.prefix, engine.vocab)] * args.requests
     res: dict[str, Any] = {
+        "private": args.private,
         "block_size": block_size,
         "hasher": args.hasher,
         "hits": args.hits,
@@ -536,7 +544,10 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
         else engine.runner.block_table[0].max_num_blocks_per_req,
     }
     if args.prefix and engine.scheduler is not None and engine.core is not None and engine.driver is not None:
-        res["prefix_blocks_cached"] = warm_prefix(engine, prefix)
+        distinct = list(dict.fromkeys(map(tuple, prefixes)))
+        res["prefix_blocks_cached"] = sum(
+            warm_prefix(engine, list(p), f"prefix{i}") for i, p in enumerate(distinct)
+        )
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()  # as EngineCore.__init__ ends: the collector skips what start-up built
@@ -544,7 +555,8 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
     try:
         for rep in range(args.repeats + 1):  # the first untimed
             prompts = [
-                prefix + common.seeded_tokens(f"bs{block_size}/rep{rep}/request{i}", args.new, engine.vocab)
+                prefixes[i]
+                + common.seeded_tokens(f"bs{block_size}/rep{rep}/request{i}", args.new, engine.vocab)
                 for i in range(args.requests)
             ]
             call = Call(engine, prompts, f"bs{block_size}-rep{rep}")
@@ -584,7 +596,8 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
 
 def table(res: dict[str, Any], args: Any) -> list[str]:
     lines = [
-        f"block size {res['block_size']}: {args.requests} requests x ({args.prefix} cached + {args.new} new)"
+        f"block size {res['block_size']}: {args.requests} requests x ({args.prefix} cached"
+        f"{', each its own' if args.private else ''} + {args.new} new)"
         f" tokens, {args.repeats} repeats; cached tokens per call {res['cached_tokens']}",
         "| part | median ms | min ms |",
         "| --- | --- | --- |",
@@ -611,6 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--requests", type=int, default=16, help="requests per generate call")
     parser.add_argument("--prefix", type=int, default=32768, help="cached prefix tokens shared by all")
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="each request its own cached prefix of --prefix tokens (the engine benchmark's private point)",
+    )
     parser.add_argument("--new", type=int, default=1, help="new tokens of each request's own")
     parser.add_argument("--block-size", type=int, nargs="+", default=[64], help="KV cache block size(s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls (one more untimed first)")

@@ -217,6 +217,17 @@ def test_prefix_host_cost_with_the_addons_hasher_still_hits_the_cache(tmp_path):
     assert res["cached_tokens"] == [3 * 256] and res["finished_requests"] == [3]
 
 
+def test_prefix_host_cost_private_prefixes_are_each_cached_and_hit(tmp_path):
+    """--private: each request its own cached prefix; every call's requests hit their own prefix."""
+    out = tmp_path / "host.json"
+    args = ["--requests", "3", "--prefix", "128", "--private", "--repeats", "2", "--block-size", "16"]
+    run_bench("prefix_host_cost", *args, "--hasher", "reuse", "--hits", "reuse", "--json", str(out))
+    (res,) = json.loads(out.read_text())["prefix_host_cost"]
+    assert res["private"] is True and res["not_built"] == {} and res["not_run"] == {}, res
+    assert res["prefix_blocks_cached"] == 3 * 128 // 16  # three prefixes, not one
+    assert res["cached_tokens"] == [3 * 128, 3 * 128] and res["finished_requests"] == [3, 3]
+
+
 def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypatch):
     """A part vLLM cannot build here is reported with its reason; the parts needing it did not run."""
     bench = load_script("prefix_host_cost")
