@@ -24,6 +24,7 @@ MEASUREMENTS = {
     "shared_prefix_plan": "host time of finding a step's shared prefixes and planning its context (CPU)",
     "layer_host_cost": "one MLA layer's host time in a fresh-prefill step, stock and the add-on (CPU)",
     "prefix_host_cost": "vLLM's host time per part for requests over a cached prefix, no GPU (CPU)",
+    "hasher_cost": "vLLM's block hasher and the add-on's reusing one, paired, shared or private (CPU)",
     "prefix_fixed_cost": "where a call over a cached prefix spends its time, by function, in-process (GPU)",
     "gpu_timeline": "a profiled call's GPU busy time, idle gaps and what the host did in them (a trace)",
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",

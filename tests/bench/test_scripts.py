@@ -228,6 +228,21 @@ def test_prefix_host_cost_private_prefixes_are_each_cached_and_hit(tmp_path):
     assert res["cached_tokens"] == [3 * 128, 3 * 128] and res["finished_requests"] == [3, 3]
 
 
+def test_hasher_cost_pairs_vllms_hasher_with_the_reusing_one(tmp_path):
+    """hasher_cost: vLLM's real hasher and the add-on's around it; shared prefixes reuse, private none."""
+    # Nine requests: more than the 8 recent ones the reusing hasher remembers (as the bench's 16 are).
+    for private, reused in ((False, (5 * 9 - 1) * 16), (True, 0)):
+        out = tmp_path / f"hasher-{private}.json"
+        args = ["--requests", "9", "--prefix", "256", "--new", "8", "--block-size", "16", "--rounds", "4"]
+        run_bench("hasher_cost", *args, *(["--private"] if private else []), "--json", str(out))
+        res = json.loads(out.read_text())["hasher_cost"]
+        assert [len(v) for v in res["raw_ms"].values()] == [4, 4]
+        # shared: every request after the first takes the prefix's 16 blocks (the untimed round too);
+        # private: each prefix was last seen nine requests ago, no longer remembered
+        assert res["reused_blocks"] == reused
+        assert res["hashed_blocks"] + res["reused_blocks"] == 5 * 9 * ((256 + 8) // 16)  # whole blocks
+
+
 def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypatch):
     """A part vLLM cannot build here is reported with its reason; the parts needing it did not run."""
     bench = load_script("prefix_host_cost")
