@@ -623,7 +623,12 @@ def table(res: dict[str, Any], args: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--requests", type=int, default=16, help="requests per generate call")
-    parser.add_argument("--prefix", type=int, default=32768, help="cached prefix tokens shared by all")
+    parser.add_argument(
+        "--prefix",
+        type=int,
+        default=32768,
+        help="cached prefix tokens: shared by all (each request's own with --private)",
+    )
     parser.add_argument(
         "--private",
         action="store_true",

@@ -122,7 +122,7 @@ def lifetime_table(seconds: Raw, sides: Sequence[str], stock: Sequence[str]) -> 
         return paired_ratio(seconds[base][key], seconds[side][key])["median"]
 
     for key in keys:
-        reps = len(seconds[stock[0]].get(key) or ())
+        reps = max(len(seconds[s].get(key) or ()) for s in stock)  # one cut short is left out, not all
         timed = [s for s in stock if _timed(seconds, s, key, reps)]
         if len(timed) < 2:
             continue
@@ -141,13 +141,24 @@ def lifetime_table(seconds: Raw, sides: Sequence[str], stock: Sequence[str]) -> 
     return _markdown(columns, rows)
 
 
+def bootstrap_interval(values: Sequence[float], resamples: int, seed: str) -> tuple[float, float]:
+    """A 95% percentile bootstrap interval of the median of ``values``: the 2.5th and 97.5th percentiles
+    of the medians of ``resamples`` draws with replacement (seeded by ``seed``: the same record, the same
+    interval, whatever else the table holds)."""
+    if resamples < 40:
+        raise ValueError(f"at least 40 resamples for a 95% interval, not {resamples}")
+    rng = random.Random(seed)
+    medians = [statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)]
+    cuts = statistics.quantiles(medians, n=40)  # 2.5% steps
+    return cuts[0], cuts[-1]
+
+
 def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> list[str]:
     """Each pause side against the side whose engine ran its calls (``hosts``: pause side -> host), per
     point (Markdown; none without pause sides): the paired ratio host seconds / pause seconds, median
-    with a 95% bootstrap interval of that median (``resamples`` draws of the repetitions, seeded), and
-    its min-max. Above 1: the calls ran faster with those parts paused (what the parts cost in that one
-    engine lifetime); the interval's width is what the run can resolve."""
-    rng = random.Random(0)  # the same record gives the same interval
+    with a 95% bootstrap interval of that median (:func:`bootstrap_interval`), and its min-max. Above 1:
+    the calls ran faster with those parts paused (what the parts cost in that one engine lifetime); the
+    interval's width is what the run can resolve."""
     rows = []
     keys = list(dict.fromkeys(key for pause in hosts for key in seconds.get(pause) or {}))
     for key in keys:
@@ -156,9 +167,7 @@ def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> l
             if not times or not _timed(seconds, host, key, len(times)):
                 continue
             ratios = [h / p for h, p in zip(seconds[host][key], times, strict=True)]
-            draws = (statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-            medians = sorted(draws)
-            low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+            low, high = bootstrap_interval(ratios, resamples, seed=f"{key}|{pause}")
             median = statistics.median(ratios)
             rows.append(
                 [

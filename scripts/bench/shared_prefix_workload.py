@@ -90,9 +90,12 @@ def parse_sides(text: str) -> list[SideSpec]:
 def _split_lifetime(label: str, mode: str) -> tuple[str, int | None]:
     """``noshare:2`` -> (``noshare``, 2), ``2`` -> ("", 2), ``noshare`` -> (``noshare``, None): a side's
     mode and the lifetime number that may end it (one mode, one number, in that order)."""
+    if not mode:
+        return "", None
     *rest, last = mode.split(":")
     number = last.isascii() and last.isdigit()
-    if len(rest) > (1 if number else 0) or any(p.isascii() and p.isdigit() for p in rest):
+    empty = not last or any(not p for p in rest)
+    if empty or len(rest) > (1 if number else 0) or any(p.isascii() and p.isdigit() for p in rest):
         raise ValueError(
             f"side {label!r}: write NAME, NAME:MODE, NAME:N or NAME:MODE:N (one mode, then at most one "
             "lifetime number, e.g. FLASH_ATTN:noshare:2)"

@@ -230,17 +230,20 @@ def test_prefix_host_cost_private_prefixes_are_each_cached_and_hit(tmp_path):
 
 def test_hasher_cost_pairs_vllms_hasher_with_the_reusing_one(tmp_path):
     """hasher_cost: vLLM's real hasher and the add-on's around it; shared prefixes reuse, private none."""
-    # Nine requests: more than the 8 recent ones the reusing hasher remembers (as the bench's 16 are).
-    for private, reused in ((False, (5 * 9 - 1) * 16), (True, 0)):
-        out = tmp_path / f"hasher-{private}.json"
-        args = ["--requests", "9", "--prefix", "256", "--new", "8", "--block-size", "16", "--rounds", "4"]
-        run_bench("hasher_cost", *args, *(["--private"] if private else []), "--json", str(out))
+    # 256 + 24 tokens at block size 16: 16 prefix blocks and one of new tokens per request, 5 rounds (the
+    # untimed one too). Shared: every request after the first takes the prefix's 16 blocks and hashes its
+    # own one. Private, 9 requests (more than the 8 recent ones the reusing hasher remembers, as the
+    # bench's 16 are): each prefix was last seen nine requests ago, nothing reused; 4 requests: each
+    # prefix is found again from the second round on.
+    cases = [(False, 9, (5 * 9 - 1) * 16), (True, 9, 0), (True, 4, 4 * 4 * 16)]
+    for private, requests, reused in cases:
+        out = tmp_path / f"hasher-{private}-{requests}.json"
+        args = ["--requests", str(requests), "--prefix", "256", "--new", "24", "--block-size", "16"]
+        run_bench("hasher_cost", *args, "--rounds", "4", *(["--private"] * private), "--json", str(out))
         res = json.loads(out.read_text())["hasher_cost"]
         assert [len(v) for v in res["raw_ms"].values()] == [4, 4]
-        # shared: every request after the first takes the prefix's 16 blocks (the untimed round too);
-        # private: each prefix was last seen nine requests ago, no longer remembered
         assert res["reused_blocks"] == reused
-        assert res["hashed_blocks"] + res["reused_blocks"] == 5 * 9 * ((256 + 8) // 16)  # whole blocks
+        assert res["hashed_blocks"] == 5 * requests * 17 - reused
 
 
 def test_prefix_host_cost_says_which_part_it_could_not_build(tmp_path, monkeypatch):

@@ -107,6 +107,9 @@ def test_any_engine_side_has_more_lifetimes():
         ("FLASH_ATTN:2:pause", "one mode, then at most one lifetime number"),
         ("stock:2:3", "one mode, then at most one lifetime number"),
         ("FLASH_ATTN:²", "unknown mode '²'"),
+        ("FLASH_ATTN::2", "one mode, then at most one lifetime number"),
+        ("stock::2", "one mode, then at most one lifetime number"),
+        ("FLASH_ATTN:noshare:", "one mode, then at most one lifetime number"),
         ("stock:²", "stock runs none of the add-on"),
         ("stock:noshare", "stock runs none of the add-on"),
         ("stock:1", "stock runs none of the add-on"),
@@ -582,6 +585,8 @@ def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
     assert lifetime_table({**seconds, "stock:2": {}}, sides, ["stock", "stock:2"]) == []
     third = {**seconds, "stock:3": {key: [1.0]}}  # a third stock lifetime cut short: the two others compared
     assert lifetime_table(third, sides, ["stock", "stock:2", "stock:3"]) == lines
+    first = {**seconds, "stock:0": {key: [1.0]}}  # so is the first one listed
+    assert lifetime_table(first, sides, ["stock:0", "stock", "stock:2"]) == lines
     run = {"sides": [{"label": s} for s in sides], "seconds": seconds}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
@@ -593,13 +598,17 @@ def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
 
 
 def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
+    import random
+    import statistics
+
     from scripts.bench import shared_prefix_steps
 
     key = "private P=8192 B=16 N=128"
+    host = [1.0 + i / 100 for i in range(31)]  # host / pause: 1.00, 1.01, ..., 1.30 (median 1.15)
     seconds = {
-        "stock": {key: [1.0] * 5},
-        "FLASH_ATTN": {key: [1.0, 1.1, 1.2, 1.3, 1.4]},
-        "FLASH_ATTN:pause": {key: [1.0, 1.0, 1.0, 1.0, 1.0]},  # host / pause: 1.0, 1.1, 1.2, 1.3, 1.4
+        "stock": {key: [1.0] * 31},
+        "FLASH_ATTN": {key: host},
+        "FLASH_ATTN:pause": {key: [1.0] * 31},
         "FLASH_ATTN:pause-plan+route": {key: [1.0, 1.1]},  # not every repetition: left out
     }
     hosts = {"FLASH_ATTN:pause": "FLASH_ATTN", "FLASH_ATTN:pause-plan+route": "FLASH_ATTN"}
@@ -607,10 +616,14 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
     assert lines[0] == "| point | host / pause side | pairs | median [95% interval] | min-max |"
     assert len(lines) == 3
     cells = lines[2].split(" | ")
-    assert cells[1:3] == ["FLASH_ATTN / FLASH_ATTN:pause", "5"]
-    assert cells[3].startswith("1.200 [") and cells[4] == "1.000-1.400 |"
-    low, high = (float(v) for v in cells[3][len("1.200 [") : -1].split("-"))
-    assert 1.0 <= low < 1.2 < high <= 1.4  # the median of 5 draws from these five ratios
+    assert cells[1:3] == ["FLASH_ATTN / FLASH_ATTN:pause", "31"]
+    assert cells[3].startswith("1.150 [") and cells[4] == "1.000-1.300 |"
+    # The interval, bootstrapped here on its own: the 50th and the 1,951st of 2,000 sorted medians.
+    rng = random.Random(f"{key}|FLASH_ATTN:pause")
+    medians = sorted(statistics.median(rng.choices(host, k=31)) for _ in range(2000))
+    low, high = (float(v) for v in cells[3][len("1.150 [") : -1].split("-"))
+    assert low == pytest.approx(medians[49], abs=0.006) and high == pytest.approx(medians[1950], abs=0.006)
+    assert 1.05 < low < 1.15 < high < 1.25  # narrower than min-max (1.00-1.30)
     assert pause_table(seconds, hosts) == lines  # seeded: one record, one interval
     assert pause_table(seconds, {}) == []
     run = {
