@@ -88,9 +88,9 @@ from . import arrival_trace, common, engine
 from .shared_prefix_table import (
     Raw,
     cache_notes,
-    lifetime_table,
+    comparison_lines,
+    comparisons,
     markdown,
-    pause_table,
     split_table,
     step_table,
     tabulate,
@@ -436,10 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = markdown(table, labels, args.baseline)
     notes = cache_notes(table)
-    # Against every stock lifetime (stock, stock:2, ...), where there are two or more.
-    lifetimes = lifetime_table(raw["seconds"], labels, [s.label for s in sides if s.backend == "stock"])
-    # Each pause side against its host, in their one engine lifetime.
-    paused = pause_table(raw["seconds"], {s.label: s.engine for s in sides if s.engine})
+    # Against every stock lifetime (two or more), each pause side against its host.
+    compared = comparisons(raw["seconds"], header["sides"])
     by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
     split_steps = step_table(traces, labels)  # and the two steps of the calls split in two
     for label in own:  # the path as the add-on sets it again, before the last reports
@@ -453,10 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = {label: own[label].collective_rpc(engine.memory_peak) for label in own}
     print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
-    if lifetimes:
-        print("against every stock lifetime (paired medians)\n" + "\n".join(lifetimes), flush=True)
-    if paused:
-        print("the path on / paused, in one engine lifetime\n" + "\n".join(paused), flush=True)
+    if compared_lines := comparison_lines(compared):
+        print("\n".join(compared_lines), flush=True)
     if by_split:
         print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
     if split_steps:
@@ -469,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             "table": table,
             "markdown": lines,
             "notes": notes,
-            "against_stock_lifetimes": lifetimes,
-            "pause_vs_host": paused,
+            **compared,
             "engines_after": after,
             "path_steps": path_steps,
             "memory": memory,

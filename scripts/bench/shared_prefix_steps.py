@@ -21,8 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import shared_prefix_table
 from .common import parser
-from .shared_prefix_table import lifetime_table, pause_table, split_table, step_table
+from .shared_prefix_table import comparison_lines, split_table, step_table
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -54,20 +55,8 @@ def tables(run: dict[str, Any]) -> list[str]:
 
 def comparisons(run: dict[str, Any]) -> list[str]:
     """From the run's raw seconds: each side against every stock lifetime (with two or more), and each
-    pause side against its host side (runs that stored their sides with the engine each ran on)."""
-    seconds = run.get("seconds") or {}
-    sides = run.get("sides") or []
-    labels = [s["label"] if isinstance(s, dict) else s for s in sides] or list(seconds)
-    stock = [label for label in labels if label == "stock" or label.startswith("stock:")]
-    lines = []
-    table = lifetime_table(seconds, labels, stock)
-    if table:
-        lines += ["against every stock lifetime (paired medians)", *table]
-    hosts = {s["label"]: s["engine"] for s in sides if isinstance(s, dict) and s.get("engine")}
-    table = pause_table(seconds, hosts)
-    if table:
-        lines += ["the path on / paused, in one engine lifetime", *table]
-    return lines
+    pause side against its host side (``shared_prefix_table.comparisons``)."""
+    return comparison_lines(shared_prefix_table.comparisons(run.get("seconds") or {}, run.get("sides") or []))
 
 
 def main(argv: list[str]) -> int:

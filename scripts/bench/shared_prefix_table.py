@@ -184,6 +184,31 @@ def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> l
     return _markdown(columns, rows)
 
 
+COMPARISONS = {
+    "against_stock_lifetimes": "against every stock lifetime (paired medians)",
+    "pause_vs_host": "the path on / paused, in one engine lifetime",
+}
+"""The comparisons of a run's sides beyond the ratio to stock: the JSON key of each, and its title."""
+
+
+def comparisons(seconds: Raw, sides: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+    """A run's :data:`COMPARISONS` (each table's lines, empty where it has none), from its raw seconds and
+    its sides as the run records them (``label``, ``backend``, ``engine``: the side whose engine ran a
+    pause side's calls)."""
+    labels = [s["label"] for s in sides]
+    stock = [s["label"] for s in sides if s.get("backend") == "stock"]
+    hosts = {s["label"]: s["engine"] for s in sides if s.get("engine")}
+    return {
+        "against_stock_lifetimes": lifetime_table(seconds, labels, stock),
+        "pause_vs_host": pause_table(seconds, hosts),
+    }
+
+
+def comparison_lines(tables: dict[str, list[str]]) -> list[str]:
+    """The non-empty tables of :func:`comparisons`, each under its title."""
+    return [line for key, lines in tables.items() if lines for line in (COMPARISONS[key], *lines)]
+
+
 def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
     """A line for each side and point where the prefix cache did not serve exactly the cached prefixes
     (then that row does not measure what it says)."""

@@ -587,14 +587,15 @@ def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
     assert lifetime_table(third, sides, ["stock", "stock:2", "stock:3"]) == lines
     first = {**seconds, "stock:0": {key: [1.0]}}  # so is the first one listed
     assert lifetime_table(first, sides, ["stock:0", "stock", "stock:2"]) == lines
-    run = {"sides": [{"label": s} for s in sides], "seconds": seconds}
+    run = {"sides": [{"label": s, "backend": s.partition(":")[0]} for s in sides], "seconds": seconds}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     assert shared_prefix_steps.comparisons(shared_prefix_steps.load(path)) == [
         "against every stock lifetime (paired medians)",
         *lines,
     ]
-    assert shared_prefix_steps.comparisons({"sides": [{"label": "stock"}], "seconds": seconds}) == []
+    one_stock = {"sides": [{"label": "stock", "backend": "stock"}], "seconds": seconds}
+    assert shared_prefix_steps.comparisons(one_stock) == []
 
 
 def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
@@ -628,9 +629,9 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
     assert pause_table(seconds, {}) == []
     run = {
         "sides": [
-            {"label": "stock", "engine": None},
-            {"label": "FLASH_ATTN", "engine": None},
-            {"label": "FLASH_ATTN:pause", "engine": "FLASH_ATTN"},
+            {"label": "stock", "backend": "stock", "engine": None},
+            {"label": "FLASH_ATTN", "backend": "FLASH_ATTN", "engine": None},
+            {"label": "FLASH_ATTN:pause", "backend": "FLASH_ATTN", "engine": "FLASH_ATTN"},
         ],
         "seconds": {k: v for k, v in seconds.items() if k != "FLASH_ATTN:pause-plan+route"},
     }
