@@ -24,12 +24,40 @@ RESULTS = RESULTS_DIRS[-1]
 MIN_CONTEXT_CHUNKS = 3
 # A worker's log line: Ray prefixes its actors' output with the actor and pid (RayWorkerWrapper on vLLM 0.20,
 # RayWorkerProc on 0.25), vLLM's multiprocessing executor with the worker's rank and pid (Worker_TP0 on 0.25).
-WORKER_LINE = re.compile(r"\((?:RayWorkerWrapper|RayWorkerProc|Worker_TP\d+) pid=(\d+)[^)]*\)(.*)")
+WORKER_PREFIX = re.compile(r"\((?:RayWorkerWrapper|RayWorkerProc|Worker_TP\d+) pid=(\d+)[^)]*\)")
+# Between two prefixes of one line: Ray's colour codes and spaces.
+_BETWEEN = re.compile(r"(?:\x1b\[[0-9;]*m|\s)*")
+
+
+def worker_messages(log: str) -> list[tuple[int, str]]:
+    """Each worker line of ``log`` as (pid, message).
+
+    Two workers writing at once interleave: ``(Worker_TP0 pid=1) (Worker_TP1 pid=2) INFO ...`` then an
+    unprefixed line. The message after the last prefix is that worker's; each earlier prefix's message
+    is the next unprefixed line, the innermost first (TP0 wrote its prefix, TP1 a whole line, then TP0
+    went on). Ray's nested prefixes of one process (``(RayWorkerProc pid=7) (Worker_TP0 pid=7)``) are
+    one writer."""
+    found: list[tuple[int, str]] = []
+    pending: list[int] = []  # prefixes whose message is still to come, innermost last
+    for line in log.splitlines():
+        first = WORKER_PREFIX.search(line)
+        if first is None:
+            if pending:
+                found.append((pending.pop(), line))
+            continue
+        pids, end = [int(first.group(1))], first.end()
+        while (m := WORKER_PREFIX.match(line, _BETWEEN.match(line, end).end())) is not None:
+            if int(m.group(1)) != pids[-1]:
+                pids.append(int(m.group(1)))
+            end = m.end()
+        found.append((pids[-1], line[end:]))
+        pending += pids[:-1]
+    return found
 
 
 def worker_pids_in(log: str, text: str) -> set[int]:
     """The worker processes whose log lines in ``log`` contain ``text``."""
-    return {int(m.group(1)) for m in WORKER_LINE.finditer(log) if text in m.group(2)}
+    return {pid for pid, message in worker_messages(log) if text in message}
 
 
 @functools.cache
