@@ -25,6 +25,7 @@ MIN_CONTEXT_CHUNKS = 3
 # A worker's log line: Ray prefixes its actors' output with the actor and pid (RayWorkerWrapper on vLLM 0.20,
 # RayWorkerProc on 0.25), vLLM's multiprocessing executor with the worker's rank and pid (Worker_TP0 on 0.25).
 WORKER_PREFIX = re.compile(r"\((?:RayWorkerWrapper|RayWorkerProc|Worker_TP\d+) pid=(\d+)[^)]*\)")
+ANY_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)?\(\w+ pid=\d+")  # a worker's, the engine core's, Ray's
 # Between two prefixes of one line: Ray's colour codes and spaces.
 _BETWEEN = re.compile(r"(?:\x1b\[[0-9;]*m|\s)*")
 
@@ -33,17 +34,22 @@ def worker_messages(log: str) -> list[tuple[int, str]]:
     """Each worker line of ``log`` as (pid, message).
 
     Two workers writing at once interleave: ``(Worker_TP0 pid=1) (Worker_TP1 pid=2) INFO ...`` then an
-    unprefixed line. The message after the last prefix is that worker's; each earlier prefix's message
-    is the next unprefixed line, the innermost first (TP0 wrote its prefix, TP1 a whole line, then TP0
-    went on). Ray's nested prefixes of one process (``(RayWorkerProc pid=7) (Worker_TP0 pid=7)``) are
-    one writer."""
+    unprefixed line. The message after the last prefix is taken as that worker's, and the unprefixed
+    lines right after it as the earlier prefixes' messages, the innermost first (TP0 wrote its prefix,
+    TP1 a whole line, then TP0 went on). Which message is whose cannot be known from the text; when both
+    log at once they log the same line (the path's on/off line), which is what the tests look for. Only the
+    lines right after count, and none with a prefix of any kind (the engine core's, say); a line
+    further on is never taken for a worker's. Ray's nested prefixes of one process
+    (``(RayWorkerProc pid=7) (Worker_TP0 pid=7)``) are one writer."""
     found: list[tuple[int, str]] = []
-    pending: list[int] = []  # prefixes whose message is still to come, innermost last
+    pending: list[int] = []  # prefixes whose message may be on the next lines, innermost last
     for line in log.splitlines():
         first = WORKER_PREFIX.search(line)
         if first is None:
-            if pending:
+            if pending and not ANY_PREFIX.match(line):
                 found.append((pending.pop(), line))
+            else:
+                pending.clear()
             continue
         pids, end = [int(first.group(1))], first.end()
         while (m := WORKER_PREFIX.match(line, _BETWEEN.match(line, end).end())) is not None:
@@ -51,7 +57,7 @@ def worker_messages(log: str) -> list[tuple[int, str]]:
                 pids.append(int(m.group(1)))
             end = m.end()
         found.append((pids[-1], line[end:]))
-        pending += pids[:-1]
+        pending = pids[:-1]
     return found
 
 

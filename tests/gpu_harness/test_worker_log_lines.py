@@ -26,10 +26,26 @@ def test_two_workers_writing_at_once():
     assert recorded_runs.worker_pids_in(log, OFF) == {11, 12}
 
 
-def test_an_interleaved_prefix_takes_its_own_message_not_its_neighbours():
+def test_an_interleaved_prefix_takes_the_next_unprefixed_line():
+    """Which message is whose cannot be known; the innermost prefix's comes first (a convention)."""
     log = f"(Worker_TP0 pid=11) (Worker_TP1 pid=12) {INFO}{OFF}\n{INFO}{ON}\n"
     assert recorded_runs.worker_pids_in(log, OFF) == {12}
     assert recorded_runs.worker_pids_in(log, ON) == {11}
+
+
+def test_only_the_line_right_after_an_interleaved_one_is_a_workers():
+    """An engine core's line in between, or a driver's line further on, is nobody's worker message."""
+    core_between = (
+        f"(Worker_TP0 pid=11) (Worker_TP1 pid=12) {INFO}{ON}\n(EngineCore pid=9) {INFO}{OFF}\n{INFO}{OFF}\n"
+    )
+    assert recorded_runs.worker_pids_in(core_between, OFF) == set()
+    later = f"(Worker_TP0 pid=11) (Worker_TP1 pid=12) {INFO}{ON}\n{INFO}{ON}\n{INFO}driver: {OFF}\n"
+    assert recorded_runs.worker_pids_in(later, ON) == {11, 12}
+    assert recorded_runs.worker_pids_in(later, OFF) == set()
+    worker_between = (
+        f"(Worker_TP0 pid=11) (Worker_TP1 pid=12) {INFO}{ON}\n(Worker_TP1 pid=12) {INFO}x\n{INFO}{OFF}\n"
+    )
+    assert recorded_runs.worker_pids_in(worker_between, OFF) == set()
 
 
 def test_rays_nested_prefixes_are_one_writer():
