@@ -204,8 +204,8 @@ def test_the_engine_cores_hasher_reuses_when_on(core_modules, model_dirs, clean_
     assert isinstance(hasher, ReusingHasher)
     assert isinstance(core.EngineCore.__dict__["_initialize_kv_caches"], wrapt.FunctionWrapper)
     tokens = list(range(8 * BLOCK))
-    for _ in range(2):
-        assert request(tokens, hasher).block_hashes == request(tokens, vllm_hasher()).block_hashes
+    in_flight = [request(tokens, hasher) for _ in range(2)]  # the engine holds them while they run
+    assert [r.block_hashes for r in in_flight] == [request(tokens, vllm_hasher()).block_hashes] * 2
     assert engine_core.INSTRUMENTOR.report()["reused_blocks"] == 8
 
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
@@ -280,7 +280,7 @@ def test_a_new_none_hash_drops_the_donors(vllm_hasher):
 
     reusing = ReusingHasher(vllm_hasher(), BLOCK, epoch=lambda: kv_cache_utils.NONE_HASH)
     tokens = list(range(7 * BLOCK))
-    request(tokens, reusing)
+    running = request(tokens, reusing)  # noqa: F841 (in flight: it would lend)
     before = kv_cache_utils.NONE_HASH
     kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
     try:
@@ -298,7 +298,7 @@ def test_without_the_epoch_a_new_none_hash_is_missed(vllm_hasher, monkeypatch):
 
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
     tokens = list(range(7 * BLOCK))
-    request(tokens, reusing)
+    running = request(tokens, reusing)  # noqa: F841 (in flight: it lends)
     before = kv_cache_utils.NONE_HASH
     kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
     try:
@@ -339,7 +339,7 @@ def test_speculative_lookahead_hashes_are_left_to_vllm(core_modules, model_dirs,
 def test_paused_vllm_hashes_every_request_and_the_reuse_resumes_after(vllm_hasher, paused_parts):
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
     prefix = list(range(200_000, 200_000 + 32 * BLOCK))
-    request(prefix + [1] * BLOCK, reusing)  # the donor
+    donor = request(prefix + [1] * BLOCK, reusing)  # noqa: F841 (in flight: it lends)
     paused_parts(["hashes"])
     r = request(prefix + [2] * BLOCK, reusing)
     assert r.block_hashes == request(prefix + [2] * BLOCK, vllm_hasher()).block_hashes
@@ -348,3 +348,44 @@ def test_paused_vllm_hashes_every_request_and_the_reuse_resumes_after(vllm_hashe
     r = request(prefix + [3] * BLOCK, reusing)  # the donor from before the pause still lends
     assert r.block_hashes == request(prefix + [3] * BLOCK, vllm_hasher()).block_hashes
     assert reusing.reused_blocks == 32
+
+
+def test_a_request_that_shares_nothing_is_remembered_without_a_copy_and_not_kept_alive(vllm_hasher):
+    """Most requests share no first block with a recent one: the hasher neither copies their tokens
+    nor holds them (freeing a finished request's copy on the input thread slowed it down)."""
+    import gc
+    import sys
+    import weakref
+
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    tokens = list(range(300_000, 300_000 + 40 * BLOCK))
+    refs = []  # references to one token: a copy of the prompt holds one more than vLLM's own lists
+    requests = []
+    for hasher in (vllm_hasher(), reusing):
+        before = sys.getrefcount(tokens[100])
+        requests.append(request(tokens, hasher))
+        refs.append(sys.getrefcount(tokens[100]) - before)
+    assert refs[0] == refs[1]
+    lone = requests.pop()
+    gone = weakref.ref(lone)
+    del lone
+    gc.collect()
+    assert gone() is None
+    # While it lives it lends, its tokens read then.
+    prefix = list(range(400_000, 400_000 + 40 * BLOCK))
+    first = request(prefix + [1] * 5, reusing)
+    first.append_output_token_ids(7)  # tokens after its hashed blocks change nothing
+    second = request(prefix + [2] * BLOCK, reusing)
+    assert second.block_hashes == request(prefix + [2] * BLOCK, vllm_hasher()).block_hashes
+    assert reusing.reused_blocks == 40 and first.block_hashes == second.block_hashes[:40]
+
+
+def test_a_prefix_seen_again_after_its_request_finished_is_hashed_once_more_then_lent(vllm_hasher):
+    """One request at a time over one prefix: the first leaves nothing to lend once finished; the
+    second, sharing a first block with it, is kept (copied) and lends to the third."""
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prefix = list(range(500_000, 500_000 + 24 * BLOCK))
+    for i, reused in enumerate((0, 0, 24, 48)):
+        tokens = prefix + [i] * BLOCK
+        assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+        assert reusing.reused_blocks == reused
