@@ -30,5 +30,6 @@ MEASUREMENTS = {
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",
     "shared_prefix_engine": "engine time with a shared cached prefix: stock, the add-on, its path off (GPU)",
     "shared_prefix_steps": "a recorded engine run's calls by arrival split and each forward's time",
+    "compact_record": "a recorded engine run made small enough for docs/results (its notes say how)",
     "bench_vs_kernel": "`mla-prefill-ext bench --json` paired with the kernel benchmark on the same shapes",
 }

@@ -234,8 +234,9 @@ def test_hasher_cost_pairs_vllms_hasher_with_the_reusing_one(tmp_path):
     # untimed one too). Shared: every request after the first takes the prefix's 16 blocks and hashes its
     # own one. Private, 9 requests (more than the 8 recent ones the reusing hasher remembers, as the
     # bench's 16 are): each prefix was last seen nine requests ago, nothing reused; 4 requests: each
-    # prefix is found again from the second round on.
-    cases = [(False, 9, (5 * 9 - 1) * 16), (True, 9, 0), (True, 4, 4 * 4 * 16)]
+    # prefix is found again from the third round on (the first round's requests, finished when the
+    # second comes, lend nothing; the second's are kept as they share a first block with a recent one).
+    cases = [(False, 9, (5 * 9 - 1) * 16), (True, 9, 0), (True, 4, 3 * 4 * 16)]
     for private, requests, reused in cases:
         out = tmp_path / f"hasher-{private}-{requests}.json"
         args = ["--requests", str(requests), "--prefix", "256", "--new", "24", "--block-size", "16"]
