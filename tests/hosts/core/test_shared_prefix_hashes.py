@@ -387,5 +387,10 @@ def test_a_prefix_seen_again_after_its_request_finished_is_hashed_once_more_then
     prefix = list(range(500_000, 500_000 + 24 * BLOCK))
     for i, reused in enumerate((0, 0, 24, 48)):
         tokens = prefix + [i] * BLOCK
-        assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+        r = request(tokens, reusing)
+        assert r.block_hashes == request(tokens, vllm_hasher()).block_hashes
         assert reusing.reused_blocks == reused
+        # From the second on each shares the prefix with a recent one (the gathering's sign), also the
+        # second, whose lender was gone: it hashed the prefix again and its hashes agree that far.
+        assert [n for rid, n in reusing.sharing if rid == r.request_id] == ([24 * BLOCK] if i else [])
+        del r  # finished before the next one comes

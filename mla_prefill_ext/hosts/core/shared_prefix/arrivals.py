@@ -11,7 +11,7 @@ against 0.27-0.33 s.
 
 With the path on (and ``MLA_PREFILL_SHARED_PREFIX_GATHER_MS`` not 0; default 100): when the engine
 core was idle and the requests its wait took include one whose leading blocks equal a recent
-request's for at least :data:`MIN_SHARED_TOKENS` (the block-hash reuse found them,
+request's for at least :data:`MIN_SHARED_TOKENS` (the reusing hasher found them,
 :mod:`.prefix_hashes`), it keeps taking requests from its input queue until its input thread (which
 decodes and preprocesses each request before queueing it) has been quiet for :data:`QUIET_S` with
 nothing queued, for at most the window, then steps. A running engine takes new requests at its step
@@ -145,8 +145,8 @@ def _activity(instance: Any) -> InputActivity:
 
 
 def shares_a_prefix(hasher: Any, request_ids: Any) -> bool:
-    """Whether one of ``request_ids`` took at least :data:`MIN_SHARED_TOKENS` of a recent request's
-    block hashes (only the add-on's hasher knows; vLLM's own: never)."""
+    """Whether one of ``request_ids`` has at least :data:`MIN_SHARED_TOKENS` leading tokens in common
+    with a recent request (the reusing hasher's ``sharing``; vLLM's own hasher: never)."""
     if not isinstance(hasher, ReusingHasher):
         return False
     return any(tokens >= MIN_SHARED_TOKENS and rid in request_ids for rid, tokens in tuple(hasher.sharing))

@@ -123,7 +123,8 @@ class ReusingHasher:
         self._lock = threading.Lock()
         self.reused_blocks = 0
         self.hashed_blocks = 0
-        # The latest requests that took a recent request's hashes: (request id, tokens shared).
+        # The latest requests whose leading blocks a recent request has too (took its hashes, or hashed
+        # them again where it had finished): (request id, tokens shared).
         self.sharing: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
 
     def __call__(self, request: Any) -> list[Any]:
@@ -157,8 +158,20 @@ class ReusingHasher:
                 hashes = reused + rest
             self.reused_blocks += len(reused)
             self.hashed_blocks += len(hashes) - len(reused)
-            if reused:
-                self.sharing.append((getattr(request, "request_id", None), len(reused) * bs))
+            shared = len(reused)
+            if not shared and tokens is not None:
+                # A first block in common, its lender gone (finished): how far the hashes vLLM just
+                # computed agree with its, for the gathering (:mod:`.arrivals`) only; nothing reused.
+                shared = max(
+                    (
+                        common_blocks(hashes, d.hashes, 1, min(full, len(d.hashes)))
+                        for d in self._donors
+                        if d.head == head
+                    ),
+                    default=0,
+                )
+            if shared:
+                self.sharing.append((getattr(request, "request_id", None), shared * bs))
             lender = None if tokens is not None else weakref.ref(request)
             self._remember(_Donor(head, tokens, hashes[:full], lender), at, k)
         return hashes
