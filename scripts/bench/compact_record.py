@@ -76,12 +76,12 @@ def _tidy(value: Any, replacements: list[tuple[str, str]]) -> Any:
 
 
 def path_steps_summary(path_steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per ``"side | point"``: how many calls, and each path counter summed over them."""
+    """Per ``"side | point"``: how many calls, and each path counter summed over them (runs from before
+    calls named their point: ``"side | B requests x prompt_len tokens"``)."""
     summary: dict[str, dict[str, int]] = {}
     for call in path_steps:
-        entry = summary.setdefault(
-            f"{call['side']} | {call['point']}", dict.fromkeys(("calls", *PATH_COUNTERS), 0)
-        )
+        point = call.get("point") or f"{call.get('requests')} requests x {call.get('prompt_len')} tokens"
+        entry = summary.setdefault(f"{call['side']} | {point}", dict.fromkeys(("calls", *PATH_COUNTERS), 0))
         entry["calls"] += 1
         for name in PATH_COUNTERS:
             entry[name] += int(call.get(name) or 0)

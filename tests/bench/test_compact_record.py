@@ -104,3 +104,18 @@ def test_the_command_line_writes_the_record(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"{out}:" in printed and "FLASH_ATTN | private P=8192 B=16 N=128" in printed
     assert "arrival_traces" not in json.loads(gzip.decompress(out.read_bytes()))
+
+
+def test_calls_recorded_before_they_named_their_point_are_summed_by_shape():
+    calls = [{"side": "stock", "requests": 16, "prompt_len": 32896, "steps": 2, "gathered": 0}] * 3
+    summary = compact_record.path_steps_summary(calls)
+    assert summary == {
+        "stock | 16 requests x 32896 tokens": {
+            "calls": 3,
+            "steps_routed": 0,
+            "steps_with_segments": 0,
+            "gathered": 0,
+            "blocks_reused": 0,
+            "hits_reused": 0,
+        }
+    }
