@@ -28,6 +28,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,10 @@ DROPPED = {
         "path_steps (per call, the untimed first repetition included) dropped for size; "
         "path_steps_summary: their sums per side and point"
     ),
-    "table": "table (the markdown's source) dropped for size; markdown holds it",
+    "table": (
+        "table (the markdown's source) dropped for size; markdown holds it, cache_as_planned each side's "
+        "check that the prefix cache served what the point planned"
+    ),
     "cached_tokens": "cached_tokens dropped for size",
     "output_tokens": "output_tokens dropped for size",
     "step_shapes": "engines_after: step_shapes dropped for size",
@@ -62,7 +66,7 @@ def _output_folder(command: str) -> str | None:
     return None
 
 
-def _tidy(value: Any, replacements: list[tuple[str, str]]) -> Any:
+def _tidy(value: Any, replacements: list[tuple[re.Pattern[str], str]]) -> Any:
     if isinstance(value, float):
         return round(value, DIGITS)
     if isinstance(value, list):
@@ -70,9 +74,34 @@ def _tidy(value: Any, replacements: list[tuple[str, str]]) -> Any:
     if isinstance(value, dict):
         return {k: _tidy(v, replacements) for k, v in value.items()}
     if isinstance(value, str):
-        for old, new in replacements:
-            value = value.replace(old, new)
+        for pattern, new in replacements:
+            value = pattern.sub(new, value)
     return value
+
+
+def _path_prefix(folder: str) -> re.Pattern[str]:
+    """``folder/`` where a path starts: at the string's start or after a space, ``=``, a quote or a
+    bracket (not inside another path: ``out/`` is not replaced in ``layout/``)."""
+    return re.compile(r"(?<![^\s=\"'(\[])" + re.escape(folder.rstrip("/") + "/"))
+
+
+_SHAPE = re.compile(r"P=(\d+) B=(\d+) N=(\d+)")
+
+
+def _ambiguous_shapes(points: list[str]) -> list[str]:
+    """Points with the same requests and prompt length (older calls, which name only those, would
+    be summed together)."""
+    seen: dict[tuple[int, int], str] = {}
+    clashes = []
+    for point in points:
+        m = _SHAPE.search(point)
+        if not m:
+            continue
+        shape = (int(m.group(2)), int(m.group(1)) + int(m.group(3)))
+        if shape in seen:
+            clashes.append(f"{seen[shape]} / {point}")
+        seen.setdefault(shape, point)
+    return clashes
 
 
 def path_steps_summary(path_steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -99,8 +128,21 @@ def compact(run: dict[str, Any], command: str | None = None, root: str | None = 
         run.setdefault("split_steps", step_table(traces, sides))
     dropped = ["arrival_traces"] if traces is not None else []
     if "path_steps" in run:
-        run["path_steps_summary"] = path_steps_summary(run.pop("path_steps") or [])
+        calls = run["path_steps"] or []
+        clashes = _ambiguous_shapes([str(p) for p in run.get("points") or []])
+        if clashes and any("point" not in call for call in calls):
+            raise ValueError(
+                "this run's calls do not name their point and points share a shape "
+                f"({'; '.join(clashes)}): their path counters would be summed together"
+            )
+        run["path_steps_summary"] = path_steps_summary(run.pop("path_steps"))
         dropped.append("path_steps")
+    if isinstance(run.get("table"), list):
+        run["cache_as_planned"] = {
+            row["key"]: {side: v.get("cache_as_planned") for side, v in (row.get("sides") or {}).items()}
+            for row in run["table"]
+            if isinstance(row, dict) and "key" in row
+        }
     for key in ("table", "cached_tokens", "output_tokens"):
         if run.pop(key, None) is not None:
             dropped.append(key)
@@ -116,10 +158,10 @@ def compact(run: dict[str, Any], command: str | None = None, root: str | None = 
     run["notes"] = notes
     replacements = []
     folder = _output_folder(run.get("command") or "")
-    if folder and folder not in ("OUT", "."):
-        replacements.append((folder.rstrip("/") + "/", "OUT/"))
-    if root:
-        replacements.append((root.rstrip("/") + "/", ""))
+    if folder and folder not in ("OUT", ".", "/"):
+        replacements.append((_path_prefix(folder), "OUT/"))
+    if root and root.rstrip("/"):
+        replacements.append((_path_prefix(root), ""))
     if command and not (run.get("command") or "").startswith(command + "  # "):
         run["command"] = f"{command}  # {run.get('command', '')}"
     return _tidy(run, replacements)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from scripts.bench import compact_record, shared_prefix_steps
 
 
@@ -40,12 +42,30 @@ def run(tmp_path) -> dict:
             side: {"private P=8192 B=16 N=128": [t["seconds"] for t in traces if t["side"] == side]}
             for side in ("stock", "FLASH_ATTN")
         },
-        "table": [["private", 0.12345678]],
+        "points": ["private P=8192 B=16 N=128"],
+        "table": [
+            {
+                "key": "private P=8192 B=16 N=128",
+                "sides": {
+                    side: {"median_s": 0.12345678, "cache_as_planned": True}
+                    for side in ("stock", "FLASH_ATTN")
+                },
+            }
+        ],
         "cached_tokens": {"stock": [8192] * 7},
         "output_tokens": {"stock": [1] * 7},
         "markdown": "| private | ... |",
         "notes": ["a note the run made"],
-        "engines_after": {"stock": [{"steps": 10, "step_shapes": [[16, 2048]] * 10, "log": f"{out}/x.log"}]},
+        "engines_after": {
+            "stock": [
+                {
+                    "steps": 10,
+                    "step_shapes": [[16, 2048]] * 10,
+                    "log": f"{out}/x.log",
+                    "layout": "a/layout/out/b",
+                }
+            ]
+        },
         "path_steps": [
             {"side": t["side"], "point": t["point"], "rep": t["rep"], "steps_routed": 1, "gathered": 16}
             | {"steps_with_segments": 0, "blocks_reused": 2 * t["rep"], "hits_reused": 0, "shapes": [[1]]}
@@ -64,6 +84,8 @@ def test_a_compact_record_keeps_what_its_tables_are_made_from(tmp_path):
         assert dropped not in record
     assert "step_shapes" not in record["engines_after"]["stock"][0]
     assert record["engines_after"]["stock"][0]["log"] == "OUT/x.log"  # the machine's folder gone
+    assert record["engines_after"]["stock"][0]["layout"] == "a/layout/out/b"  # only where a path starts
+    assert record["cache_as_planned"] == {"private P=8192 B=16 N=128": {"stock": True, "FLASH_ATTN": True}}
     assert record["command"].startswith("bash suite.sh OUT pause  # python -m scripts.bench")
     assert "--json OUT/engine.json" in record["command"]
     assert record["path_steps_summary"]["FLASH_ATTN | private P=8192 B=16 N=128"] == {
@@ -119,3 +141,18 @@ def test_calls_recorded_before_they_named_their_point_are_summed_by_shape():
             "hits_reused": 0,
         }
     }
+
+
+def test_older_calls_are_not_summed_across_points_of_one_shape(tmp_path):
+    """Calls that name only their shape cannot tell a shared 16 x 32 point from a decode one over the
+    same prefix: the compaction refuses rather than sum them together."""
+    raw = run(tmp_path)
+    raw["points"] = ["shared P=32768 B=16 N=32", "decode P=32768 B=16 N=32 out=32"]
+    raw["path_steps"] = [{"side": "stock", "requests": 16, "prompt_len": 32800, "gathered": 1}] * 2
+    with pytest.raises(ValueError, match="summed together"):
+        compact_record.compact(raw)
+    raw["points"] = raw["points"][:1]
+    assert (
+        compact_record.compact(raw)["path_steps_summary"]["stock | 16 requests x 32800 tokens"]["gathered"]
+        == 2
+    )

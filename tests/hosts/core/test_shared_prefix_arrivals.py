@@ -279,7 +279,8 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     hasher = _hasher()
     rng = random.Random(1)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [0] * BLOCK, hasher)  # an earlier request over the prefix (the hashes' donor)
+    # An earlier request over the prefix, finished: the burst's first hashes it again, and shares.
+    _request(prefix + [0] * BLOCK, hasher)
     burst = [prefix + [i + 1] * BLOCK for i in range(8)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]
@@ -311,7 +312,7 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_con
     hasher = _hasher()
     rng = random.Random(3)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [9] * BLOCK, hasher)  # the hashes' donor
+    donor = _request(prefix + [9] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
     running = _request(prefix + [0] * BLOCK, hasher)  # it shares the prefix, and it is running:
     scheduler.add_request(running)  # the engine has work, nothing to gather for
     later = [prefix + [i + 1] * BLOCK for i in range(4)]
@@ -331,7 +332,7 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, opted_i
     hasher = _hasher()
     rng = random.Random(4)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [0] * BLOCK, hasher)  # the hashes' donor
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
     kept = _request(prefix + [1] * BLOCK, hasher)  # it took the prefix's hashes
     kept.status = RequestStatus.FINISHED_STOPPED
     scheduler.requests[kept.request_id] = kept  # held, not running: the engine core is idle
@@ -430,7 +431,7 @@ def test_a_call_other_than_a_request_ends_the_gathering(proc_class, core_config,
     hasher = _hasher()
     rng = random.Random(5)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [0] * BLOCK, hasher)  # the hashes' donor
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathering = threading.Event()
     real_gather = arrivals.gather
@@ -470,7 +471,7 @@ def test_an_engine_core_with_vllms_hasher_never_waits(proc_class, core_config, c
     hasher = _hasher()
     rng = random.Random(6)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [0] * BLOCK, hasher)
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
     proc = _idle_proc(proc_class, config, scheduler, hasher.inner)
     producer, _ = _burst(proc, [prefix + [i + 1] * BLOCK for i in range(3)], 0.0)
     producer.join()
@@ -486,7 +487,7 @@ def test_paused_an_idle_engine_core_steps_at_its_first_request(
     hasher = _hasher()
     rng = random.Random(3)
     prefix = [rng.randrange(1000) for _ in range(4096)]
-    _request(prefix + [0] * BLOCK, hasher)  # the donor: the burst below would be gathered
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the donor: the burst below would be gathered; in flight, it lends)
     paused_parts(["gather"])
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     gathers = arrivals.GATHERS[0]

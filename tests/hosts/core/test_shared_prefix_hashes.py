@@ -394,3 +394,21 @@ def test_a_prefix_seen_again_after_its_request_finished_is_hashed_once_more_then
         # second, whose lender was gone: it hashed the prefix again and its hashes agree that far.
         assert [n for rid, n in reusing.sharing if rid == r.request_id] == ([24 * BLOCK] if i else [])
         del r  # finished before the next one comes
+
+
+def test_a_lender_whose_prompt_a_kv_connector_cut_lends_only_the_blocks_left(vllm_hasher):
+    """Disaggregated prefill's producer side (vLLM's nixl and mooncake connectors) drops a hashed
+    request's last prompt token and appends its output token in its place: a request with those
+    tokens must not take the changed block's hash."""
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prompt = list(range(600_000, 600_000 + 3 * BLOCK))
+    lender = request(prompt, reusing)
+    # As the connectors do it (vllm/distributed/kv_transfer/kv_connector/v1/nixl): the count first.
+    lender.prompt_token_ids.pop()
+    lender._all_token_ids.pop()
+    lender.num_prompt_tokens -= 1
+    lender.append_output_token_ids(7)
+    tokens = [*prompt[:-1], 7, *range(700_000, 700_000 + BLOCK)]
+    taker = request(tokens, reusing)
+    assert taker.block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert reusing.reused_blocks == 2  # the two blocks the connector left as they were

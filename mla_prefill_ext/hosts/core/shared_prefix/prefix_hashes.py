@@ -14,11 +14,17 @@ function of its parent's hash, its tokens and its extra keys, and for a plain re
 features, LoRA, cache salt or prompt embeddings) the extra keys are None for every block; so equal
 leading tokens give equal hashes, computed by the same hasher (same function and block size) from the
 same ``NONE_HASH`` (donors are dropped when vLLM draws it again, as a second engine in the process
-does). Any other request is hashed by vLLM alone and never lends its hashes. A request that shares
-no first block with a donor is remembered without a copy of its tokens (weakly; read when a later
-request first shares that block, gone with the request): vLLM never changes the tokens of a block it
-hashed while the request lives (it keeps their hashes; streaming input and disaggregated prefill only
-add or drop tokens after them, and a dropped token only shortens what is compared).
+does). Any other request is hashed by vLLM alone and never lends its hashes.
+
+A new request is compared in place and its tokens copied only if it shares leading blocks with a
+donor. One that shares nothing is remembered weakly (copying every prompt, and freeing the copy of
+a finished one, on the engine core's input thread made that thread slower than stock's): its tokens
+are copied when a later request first shares its first block, up to its prompt's whole blocks as the
+prompt is then (read after the copy: disaggregated prefill's producer side drops the prompt's last
+tokens and puts the output in their place, lowering ``num_prompt_tokens`` first; streaming input only
+changes tokens after the prompt), and it is gone with the request: the next request over a prefix
+whose only lender has finished hashes it again, and is kept. Where requests share a first block but
+not the prefix (a chat template's header), each remembered request is still copied once.
 """
 
 from __future__ import annotations
@@ -75,8 +81,11 @@ def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, guess
         ):
             return guess
     end = limit * block_size
-    # Slicing a 32k-token list costs more than comparing it: whole lists are compared as they are.
-    if (a if len(a) == end else a[:end]) == (b if len(b) == end else b[:end]):
+    # Slicing a 32k-token list costs more than comparing it: whole lists are compared as they are
+    # (a view such as vLLM's ConstantList compares by identity: sliced).
+    if (a if type(a) is list and len(a) == end else a[:end]) == (
+        b if type(b) is list and len(b) == end else b[:end]
+    ):
         return limit
     lo, hi = 1, limit  # blocks [0, lo) equal, [0, hi) not
     while hi - lo > 1:
@@ -99,10 +108,9 @@ class _Donor(NamedTuple):
     head: list[int]  # its first block's tokens (most requests part there: one comparison each)
     tokens: list[int] | None  # its leading whole blocks' tokens; None: not copied yet (``request``)
     hashes: list[Any]  # its leading whole blocks' hashes
-    # Until a request shares its first block: the request itself, weakly. Copying every request's
-    # prompt (and freeing the copy of one that finished when it leaves the donors), on the engine
-    # core's input thread, made that thread slower than stock's for requests that share nothing
-    # (8k-token prompts on the H200: about 0.1 ms of 0.75 each).
+    # While its tokens are not copied (it shared nothing, and no later request shared its first block
+    # yet): the request itself, weakly (copying every prompt made the input thread slower than
+    # stock's: 8k-token prompts on an H200, about 0.1 ms of 0.75 each).
     request: Any
 
 
@@ -134,17 +142,17 @@ class ReusingHasher:
         full = request.num_tokens // bs
         if full == 0:
             return self.inner(request)
-        head = request.all_token_ids[:bs]
+        # The request's own tokens, read in place (this runs as vLLM makes the request): copied only
+        # if it shares leading blocks with a donor.
+        view = request.all_token_ids
+        head = view[:bs]
         with self._lock:
             epoch = self._epoch()
             if epoch is not self._donors_epoch:
                 self._donors.clear()
                 self._donors_epoch = epoch
-            if any(donor.head == head for donor in self._donors):
-                tokens: list[int] | None = _as_list(request.all_token_ids[: full * bs])
-                at, k = self._longest(tokens, head, full)
-            else:  # most requests part from every donor in the first block: nothing copied
-                tokens, at, k = None, -1, 0
+            matched = any(donor.head == head for donor in self._donors)
+            at, k = self._longest(view, head, full) if matched else (-1, 0)
             reused = self._donors[at].hashes[:k] if k else []
             if not reused:
                 hashes = self.inner(request)
@@ -159,7 +167,7 @@ class ReusingHasher:
             self.reused_blocks += len(reused)
             self.hashed_blocks += len(hashes) - len(reused)
             shared = len(reused)
-            if not shared and tokens is not None:
+            if not shared and matched:
                 # A first block in common, its lender gone (finished): how far the hashes vLLM just
                 # computed agree with its, for the gathering (:mod:`.arrivals`) only; nothing reused.
                 shared = max(
@@ -172,11 +180,13 @@ class ReusingHasher:
                 )
             if shared:
                 self.sharing.append((getattr(request, "request_id", None), shared * bs))
-            lender = None if tokens is not None else weakref.ref(request)
-            self._remember(_Donor(head, tokens, hashes[:full], lender), at, k)
+                donor = _Donor(head, _as_list(view[: full * bs]), hashes[:full], None)
+            else:
+                donor = _Donor(head, None, hashes[:full], weakref.ref(request))
+            self._remember(donor, at, k)
         return hashes
 
-    def _longest(self, tokens: list[int], head: list[int], full: int) -> tuple[int, int]:
+    def _longest(self, tokens: Any, head: list[int], full: int) -> tuple[int, int]:
         """(index of the donor, leading blocks shared) for the donor sharing the most (k = 0: none)."""
         bs = self.block_size
         best, best_at = 0, -1
@@ -188,9 +198,15 @@ class ReusingHasher:
                 lender = donor.request()
                 if lender is None:
                     continue  # finished and gone
-                donor = self._donors[at] = _Donor(
-                    donor.head, _as_list(lender.all_token_ids[: len(donor.hashes) * bs]), donor.hashes, None
-                )
+                copied = _as_list(lender.all_token_ids[: len(donor.hashes) * bs])
+                # A KV connector (disaggregated prefill) may drop the prompt's last tokens after they
+                # were hashed and append the output in their place, lowering num_prompt_tokens first:
+                # only whole blocks of the prompt as it is now (read after the copy) are compared.
+                kept = int(getattr(lender, "num_prompt_tokens", 0) or 0) // bs * bs
+                donor = self._donors[at] = _Donor(donor.head, copied[:kept], donor.hashes, None)
+                limit = min(limit, kept // bs)
+                if limit <= best:
+                    continue
             # A donor can only do better if it agrees on the block after the best so far.
             if best and tokens[best * bs : (best + 1) * bs] != donor.tokens[best * bs : (best + 1) * bs]:
                 continue
