@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from mla_prefill_ext.hosts.core.shared_prefix import switch
@@ -61,7 +61,7 @@ def is_plain(request: Any) -> bool:
     return True
 
 
-def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, guess: int = 0) -> int:
+def common_blocks(a: Sequence[Any], b: Sequence[Any], block_size: int, limit: int, guess: int = 0) -> int:
     """How many leading whole blocks (at most ``limit``) ``a`` and ``b`` have equal.
 
     List comparisons run in C; the search halves the unknown span, comparing only it. ``guess``:
