@@ -412,3 +412,18 @@ def test_a_lender_whose_prompt_a_kv_connector_cut_lends_only_the_blocks_left(vll
     taker = request(tokens, reusing)
     assert taker.block_hashes == request(tokens, vllm_hasher()).block_hashes
     assert reusing.reused_blocks == 2  # the two blocks the connector left as they were
+
+
+def test_requests_that_share_nothing_do_not_push_a_shared_prefix_out(vllm_hasher):
+    """Traffic between two bursts over one prefix (more unrelated requests than DONORS) leaves the
+    prefix's copied donors in place: the next burst's first request takes the prefix's hashes."""
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prefix = list(range(800_000, 800_000 + 30 * BLOCK))
+    burst = [request(prefix + [i] * BLOCK, reusing) for i in range(3)]
+    del burst  # finished
+    for i in range(3 * prefix_hashes.DONORS):
+        request(list(range(900_000 + 1000 * i, 900_000 + 1000 * i + 20 * BLOCK)), reusing)
+    before = reusing.reused_blocks
+    tokens = prefix + [7] * BLOCK
+    assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert reusing.reused_blocks - before == 30

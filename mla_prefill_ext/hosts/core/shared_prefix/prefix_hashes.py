@@ -38,8 +38,10 @@ from typing import Any, NamedTuple
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 
 DONORS = 8
-"""Plain requests remembered per hasher (their leading tokens and hashes; a new request extending
-one takes its place, one it covers moves it to the front)."""
+"""Plain requests remembered per hasher, of each kind: those whose tokens it copied (they shared
+leading blocks with a recent request, or lent theirs) and those it holds weakly (they shared
+nothing), so that requests sharing nothing never push a shared prefix out. A new request extending
+one takes its place, one it covers moves it to the front."""
 
 _ABSENT = object()
 # What vLLM's extra keys read on a request (0.20.2, 0.25.1, 0.33.0): all empty means no extra keys.
@@ -227,4 +229,12 @@ class ReusingHasher:
                 if len(donor.hashes) > len(new.hashes):
                     new = donor
         self._donors.insert(0, new)
-        del self._donors[DONORS:]
+        if len(self._donors) > DONORS:  # at most DONORS of each kind, the most recent
+            counts = [0, 0]
+            keep = []
+            for donor in self._donors:
+                kind = donor.tokens is not None
+                counts[kind] += 1
+                if counts[kind] <= DONORS:
+                    keep.append(donor)
+            self._donors[:] = keep
