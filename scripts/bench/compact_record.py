@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import parser
+from .shared_prefix_steps import load
 from .shared_prefix_table import split_table, step_table
 
 PATH_COUNTERS = ("steps_routed", "steps_with_segments", "gathered", "blocks_reused", "hits_reused")
@@ -180,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("out", type=Path, help="the compact record (.json.gz)")
     cli.add_argument("--command", help="how the run was made, as a reader would type it")
     args: argparse.Namespace = cli.parse_args(argv)
-    opener = gzip.open if args.run.suffix == ".gz" else open
-    with opener(args.run, "rt") as f:
-        run = json.load(f)
-    record = compact(run, args.command, root=str(Path.cwd()))
+    record = compact(load(args.run), args.command, root=str(Path.cwd()))
     size = write(record, args.out)
     busy = {
         key: counts
