@@ -270,6 +270,34 @@ def test_a_memo_found_stale_gives_way_to_the_new_lookup(hasher):
     assert hits.reused_hits == reused + 64  # lent from serve(3)'s lookup
 
 
+def test_lookups_that_share_nothing_do_not_push_a_shared_prefix_out(hasher):
+    """Lookups of prefixes no other request has (more of them than MEMOS, each a hit: a conversation's
+    next turn) between two bursts over one prefix leave the burst's memo in place: the next burst's
+    first lookup takes the prefix's blocks. Checked against a second manager in lockstep."""
+    kv, plain = manager(4096), manager(4096)
+    hits = with_hits(kv)
+
+    def serve(tokens, rid):
+        req = request(tokens, hasher, rid)
+        (got, got_n), (want, want_n) = kv.get_computed_blocks(req)[:2], plain.get_computed_blocks(req)[:2]
+        assert ([b.block_id for b in got.blocks[0]], got_n) == ([b.block_id for b in want.blocks[0]], want_n)
+        for m, computed, n in ((kv, got, got_n), (plain, want, want_n)):
+            m.allocate_slots(req, req.num_tokens - n, n, computed)
+            m.free(req)
+        return got_n
+
+    prefix = list(range(1, 40 * BLOCK + 1))
+    for i in range(3):  # the first caches the prefix, the next two look it up (the second lends)
+        serve([*prefix, 7, i], f"burst{i}")
+    for i in range(3 * prefix_hits.MEMOS):  # each cached, then hit once by a lookup of its own
+        own = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * BLOCK))
+        serve([*own, 1], f"own{i}a")
+        assert serve([*own, 2], f"own{i}b") == 8 * BLOCK
+    before = hits.looked_up
+    assert serve([*prefix, 9], "next") == 40 * BLOCK
+    assert hits.looked_up == before, "the prefix was looked up block by block again"
+
+
 def test_a_coordinator_noted_for_an_engine_that_never_makes_its_hasher_is_not_pinned():
     import gc
     import weakref

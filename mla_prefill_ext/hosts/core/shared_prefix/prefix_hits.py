@@ -33,7 +33,9 @@ from mla_prefill_ext.hosts.core.shared_prefix import switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
 
 MEMOS = 8
-"""Lookups remembered per coordinator (a new one extending one takes its place)."""
+"""Lookups remembered per coordinator, of each kind: those that took hits from a remembered lookup
+(a prefix more than one request has) and those that did not, so that lookups sharing nothing never
+push a shared prefix's hits out. A new lookup extending one takes its place."""
 
 _HASH_SLOT = "_block_hash"  # KVCacheBlock's field behind its block_hash property (0.20.2-0.33.0)
 _slot_of = operator.attrgetter(_HASH_SLOT)
@@ -43,6 +45,7 @@ class _Memo(NamedTuple):
     hashes: list[Any]  # the leading block hashes that hit
     blocks: list[Any]  # the block vLLM returned for each
     keys: list[Any]  # each block's hash object when it was found
+    shared: bool  # it took hits from a remembered lookup (one of the kinds MEMOS counts apart)
 
 
 def lookup_problem(coordinator: Any) -> str | None:
@@ -120,7 +123,7 @@ class PrefixHits:
             if hit:
                 keys = memo.keys[:k] if k else []
                 keys.extend(map(_slot_of, hit[k:]))
-                self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys), at)
+                self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys, k > 0), at)
         return result
 
     def _longest(self, block_hashes: list[Any], limit: int) -> tuple[int, int]:
@@ -152,9 +155,16 @@ class PrefixHits:
             if shared in (len(old.hashes), len(memo.hashes)):  # one holds the other: keep the longer
                 del self._memos[at]
                 if len(old.hashes) > len(memo.hashes):
-                    memo = old
+                    memo = old._replace(shared=True)  # it lent
         self._memos.insert(0, memo)
-        del self._memos[MEMOS:]
+        if len(self._memos) > MEMOS:  # at most MEMOS of each kind, the most recent
+            counts = [0, 0]
+            keep = []
+            for kept in self._memos:
+                counts[kept.shared] += 1
+                if counts[kept.shared] <= MEMOS:
+                    keep.append(kept)
+            self._memos[:] = keep
 
 
 COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
