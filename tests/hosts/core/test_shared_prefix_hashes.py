@@ -81,6 +81,54 @@ def test_every_hash_is_vllms_own(vllm_hasher, seed):
     assert reusing.reused_blocks > reusing.hashed_blocks  # most blocks of these batches are shared
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_every_hash_is_vllms_own_while_requests_live_finish_decode_and_are_cut(vllm_hasher, seed):
+    """The engine's life around the hasher, seeded: requests over a few prefixes (parting anywhere,
+    the first block included), over live requests' tokens and unrelated ones stay in flight for a
+    while, decode tokens (their later blocks hashed by vLLM after the reused ones), finish in any
+    order, and now and then a KV connector cuts a live request's prompt (its last token dropped, its
+    output in its place). Each request has a twin hashed by vLLM alone that lives through the same:
+    their hashes are equal after every step."""
+    rng = random.Random(seed)
+    vocab = 129_280
+
+    def toks(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    prefixes = [toks(rng.randrange(2, 30) * BLOCK + rng.randrange(BLOCK)) for _ in range(3)]
+    live = []  # (ours, twin)
+    for i in range(150):
+        roll = rng.random()
+        if roll < 0.5:
+            base = rng.choice(prefixes)
+            tokens = base[: rng.choice([len(base), len(base), rng.randrange(1, len(base) + 1)])]
+        elif roll < 0.8 and live:
+            base = list(rng.choice(live)[0].all_token_ids)
+            tokens = base[: rng.choice([len(base), rng.randrange(1, len(base) + 1)])]  # a live request's
+        else:
+            tokens = []
+        # Often whole blocks: a cut then changes a hashed block.
+        tail = rng.choice([rng.randrange(0 if tokens else 1, 3 * BLOCK), BLOCK * rng.randrange(1, 3)])
+        tokens = tokens + toks(tail)
+        pair = (request(tokens, reusing), request(tokens, vllm_hasher()))
+        assert pair[0].block_hashes == pair[1].block_hashes, (seed, i)
+        live.append(pair)
+        for pair in rng.sample(live, min(len(live), 3)):
+            cut = rng.random() < 0.3 and pair[0].num_output_tokens == 0 and pair[0].num_prompt_tokens > 1
+            token = rng.randrange(vocab)
+            for r in pair:
+                if cut:  # as a KV connector does it (vllm/distributed/kv_transfer/kv_connector/v1/nixl)
+                    r.prompt_token_ids.pop()
+                    r._all_token_ids.pop()
+                    r.num_prompt_tokens -= 1
+                r.append_output_token_ids(token)
+            assert pair[0].block_hashes == pair[1].block_hashes, (seed, i)
+        while live and (len(live) > 12 or rng.random() < 0.3):
+            live.pop(rng.randrange(len(live)))  # finished
+    assert reusing.reused_blocks > 0
+
+
 def test_sixteen_requests_over_one_prefix_hash_it_once(vllm_hasher):
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
     prefix = list(range(100_000, 100_000 + 64 * BLOCK))
