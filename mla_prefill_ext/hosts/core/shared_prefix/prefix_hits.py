@@ -35,7 +35,9 @@ from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
 MEMOS = 8
 """Lookups remembered per coordinator, of each kind: those that took hits from a remembered lookup
 (a prefix more than one request has) and those that did not, so that lookups sharing nothing never
-push a shared prefix's hits out. A new lookup extending one takes its place."""
+push a shared prefix's hits out (a request the scheduler looks up again while it waits takes its own
+hits: it counts as shared, as in one pool it pushed others out too). A new lookup extending one takes
+its place."""
 
 _HASH_SLOT = "_block_hash"  # KVCacheBlock's field behind its block_hash property (0.20.2-0.33.0)
 _slot_of = operator.attrgetter(_HASH_SLOT)
