@@ -47,11 +47,15 @@ class Wrappers:
             for path, wrapper in table:
                 self.wrap(module, path, wrapper)
         except Exception as e:  # all or none: undo the part that landed
-            landed, self.installed = self.installed[start:], self.installed[:start]
-            for mod, path, handle in reversed(landed):
-                wrapt.unwrap_object(mod, path, handle, missing_ok=True)
+            self.undo_since(start)
             return f"wrapping failed ({type(e).__name__}: {e})"
         return None
+
+    def undo_since(self, start: int) -> None:
+        """Remove the wrappers installed after the first ``start`` (a set across modules that failed)."""
+        landed, self.installed = self.installed[start:], self.installed[:start]
+        for mod, path, handle in reversed(landed):
+            wrapt.unwrap_object(mod, path, handle, missing_ok=True)
 
     def unwrap_all(self) -> None:
         """Remove every wrapper, last first (idempotent)."""

@@ -22,7 +22,15 @@ import wrapt
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Wrappers
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, layer, routing, step, switch, targets
+from mla_prefill_ext.hosts.core.shared_prefix import (
+    block_tables,
+    layer,
+    prompt_rows,
+    routing,
+    step,
+    switch,
+    targets,
+)
 
 
 class SharedPrefixInstrumentor:
@@ -30,6 +38,7 @@ class SharedPrefixInstrumentor:
         self.wrappers = Wrappers()
         self.instrumented = False
         self.routing = False  # short extends routed (the runner's reorder wrapped)
+        self.prompts = False  # new requests' prompts take lenders' rows (the runner's batch wrapped)
         self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
         self._lock = threading.RLock()
 
@@ -75,7 +84,10 @@ class SharedPrefixInstrumentor:
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
-            if not self.instrumented or self.routing:
+            if not self.instrumented:
+                return
+            self._instrument_prompts(runner_module)
+            if self.routing:
                 return
             problem = targets.routing_problem(runner_module)
             if problem is None:
@@ -93,6 +105,37 @@ class SharedPrefixInstrumentor:
                 return
             self.routing = True
 
+    def _instrument_prompts(self, runner_module: ModuleType) -> None:
+        # Another addition the path works without: its own targets, its own line.
+        if self.prompts:
+            return
+        try:
+            input_batch_module = importlib.import_module(targets.INPUT_BATCH_MODULE)
+            problem = targets.prompts_problem(runner_module, input_batch_module)
+        except ImportError as e:
+            problem = f"{targets.INPUT_BATCH_MODULE} does not import ({e})"
+        start = len(self.wrappers.installed)
+        if problem is None:
+            problem = self.wrappers.wrap_all(
+                runner_module, [(targets.UPDATE_STATES, prompt_rows.update_states)]
+            )
+        if problem is None:
+            problem = self.wrappers.wrap_all(
+                input_batch_module, [(targets.ADD_REQUEST, prompt_rows.add_request)]
+            )
+            if problem is not None:
+                self.wrappers.undo_since(start)
+        if problem is not None:
+            log_once(
+                logging.INFO,
+                ("shared-prefix-prompts", problem),
+                "MLA shared-prefix prefill (mla-prefill-ext): each new request's prompt is copied into the "
+                "runner's batch as vLLM does (%s).",
+                problem,
+            )
+            return
+        self.prompts = True
+
     def uninstrument(self) -> None:
         """Remove every wrapper (idempotent)."""
         with self._lock:
@@ -100,6 +143,7 @@ class SharedPrefixInstrumentor:
             block_tables.forget()
             self.instrumented = False
             self.routing = False
+            self.prompts = False
             self.problem = None
 
     def report(self) -> dict[str, object]:
@@ -110,6 +154,9 @@ class SharedPrefixInstrumentor:
             "problem": self.problem,
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
+            "prompts": self.prompts,
+            "prompts_copied": prompt_rows.COPIED[0],  # requests whose prompt took a lender's row
+            "prompt_tokens_copied": prompt_rows.COPIED[1],
             "steps": routing.STEPS[0],
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
             "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks

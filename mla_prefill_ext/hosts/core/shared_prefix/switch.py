@@ -132,11 +132,12 @@ def decide_and_say(vllm_config: Any) -> PathDecision:
 
 # --- pausing parts of the path in a running process (benchmarks: on and off in one engine lifetime) ---
 
-PARTS = ("plan", "route", "hashes", "hits", "gather")
+PARTS = ("plan", "route", "hashes", "hits", "gather", "prompts")
 """The path's parts, each of which :func:`pause` can stop: the step's shared-prefix plan (``plan``,
 :mod:`.step`), short extends routed to it (``route``, :mod:`.routing`), the engine core's reuse of block
-hashes (``hashes``, :mod:`.prefix_hashes`) and of prefix-cache hits (``hits``, :mod:`.prefix_hits`), and its
-gathering of a burst (``gather``, :mod:`.arrivals`)."""
+hashes (``hashes``, :mod:`.prefix_hashes`) and of prefix-cache hits (``hits``, :mod:`.prefix_hits`), its
+gathering of a burst (``gather``, :mod:`.arrivals`), and the runner's copy of a shared prefix's prompt
+tokens from a request already in its batch (``prompts``, :mod:`.prompt_rows`)."""
 
 IMPLIED = {"plan": ("route",), "hashes": ("gather",)}
 """Parts that pausing another pauses too: a routed step without its plan would up-project every short

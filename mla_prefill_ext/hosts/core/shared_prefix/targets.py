@@ -18,11 +18,14 @@ from typing import Any
 
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+INPUT_BATCH_MODULE = "vllm.v1.worker.gpu_input_batch"
 
 CONTEXT_OWNERS = ("MLACommonImpl", "MLACommonBaseImpl")  # 0.20-0.27; 0.29+ moved it to the base
 BUILD = "MLACommonMetadataBuilder.build"
 DEVICE_TENSOR = "BlockTable.get_device_tensor"
 REORDER = "GPUModelRunner._may_reorder_batch"
+UPDATE_STATES = "GPUModelRunner._update_states"
+ADD_REQUEST = "InputBatch.add_request"
 
 
 def _defined(module: ModuleType, path: str) -> Any:
@@ -89,6 +92,39 @@ def routing_problem(runner_module: ModuleType) -> str | None:
         reorder = _defined(runner_module, REORDER)
         _params(reorder, REORDER, "scheduler_output")
         _refers(reorder, REORDER, "reorder_batch_to_split_decodes_and_prefills", "reorder_batch_threshold")
+    except (LookupError, TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def prompts_problem(runner_module: ModuleType, input_batch_module: ModuleType) -> str | None:
+    """Why new requests' prompts cannot take a lender's row in this runner's input batch (None: they can).
+
+    As in vLLM 0.20.2, 0.25.1 and 0.33.0: ``_update_states(scheduler_output)`` adds the step's new
+    requests through ``InputBatch.add_request(request)``, which copies ``request.prompt_token_ids``
+    into ``token_ids_cpu`` and keeps rows by ``req_id_to_index``, ``req_output_token_ids`` and
+    ``num_prompt_tokens``; a ``CachedRequestState`` holds ``block_ids`` per KV cache group.
+    """
+    try:
+        update = _defined(runner_module, UPDATE_STATES)
+        _params(update, UPDATE_STATES, "scheduler_output")
+        _refers(update, UPDATE_STATES, "add_request")
+        add = _defined(input_batch_module, ADD_REQUEST)
+        _params(add, ADD_REQUEST, "request")
+        _refers(
+            add,
+            ADD_REQUEST,
+            "token_ids_cpu",
+            "prompt_token_ids",
+            "req_id_to_index",
+            "req_output_token_ids",
+            "num_prompt_tokens",
+        )
+        state = getattr(input_batch_module, "CachedRequestState", None)
+        fields = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) else set()
+        missing = {"req_id", "prompt_token_ids", "block_ids", "output_token_ids"} - fields
+        if missing:
+            raise LookupError(f"CachedRequestState lacks fields {sorted(missing)}")
     except (LookupError, TypeError, ValueError) as e:
         return str(e)
     return None
