@@ -3,7 +3,7 @@
 
     python -m scripts.bench prefix_host_cost [--requests 16] [--prefix 32768] [--private] [--new 1]
         [--block-size 64 [16 ...]] [--repeats 5] [--torch-threads 1] [--hasher stock|reuse]
-        [--hits stock|reuse] [--json out.json]
+        [--hits stock|reuse] [--prompts stock|reuse] [--json out.json]
 
 What one ``LLM.generate`` call of ``--requests`` prompts (``--prefix`` tokens shared by all and
 already in the prefix cache, then ``--new`` tokens of each request's own, ``max_tokens=1``) costs
@@ -26,6 +26,9 @@ length 40960), stage by stage in the order the request travels:
   runner  the GPU model runner's persistent ``InputBatch`` on the CPU: ``CachedRequestState`` and
           ``add_request`` per new request, ``condense`` and ``refresh_metadata``; its ``BlockTable``'s
           ``commit_block_table``; next step, ``remove_request`` for the finished ones and ``condense``
+          (``--prompts reuse``: ``add_request`` through the add-on's ``prompt_rows``, as its wrapper on
+          the runner's ``_update_states`` has it: a prompt's leading tokens from the row of a request in
+          the batch that holds the same KV blocks)
   back    ``MsgpackEncoder``/``MsgpackDecoder`` of the ``EngineCoreOutputs``;
           ``OutputProcessor.process_outputs`` (the ``RequestOutput``s ``generate`` returns)
 
@@ -142,7 +145,7 @@ class GCClock:
 class Engine:
     """vLLM's real objects for one block size, each built where it can be (else the reason why)."""
 
-    def __init__(self, block_size: int, hasher: str = "stock", hits: str = "stock"):
+    def __init__(self, block_size: int, hasher: str = "stock", hits: str = "stock", prompts: str = "stock"):
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
         from .engine import MODEL_DIR
@@ -150,6 +153,7 @@ class Engine:
         self.block_size = block_size
         self.hasher = hasher
         self.hits = hits
+        self.prompts = prompts
         self.missing: dict[str, str] = {}  # component -> why it could not be built
         model = ModelConfig(
             model=str(MODEL_DIR), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
@@ -307,6 +311,7 @@ class Call:
         self.cached_tokens: int | None = None
         self.scheduled_tokens: int | None = None
         self.finished: int | None = None
+        self.states: dict[str, Any] = {}  # the runner's requests in flight (lenders are only those)
 
     def part(self, key: str, fn: Callable[[], Any], needs: tuple[Any, ...] = ()) -> Any:
         missing = [n for n in needs if isinstance(n, str)]
@@ -406,22 +411,28 @@ class Call:
         def add() -> list[str]:
             from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
+            from mla_prefill_ext.hosts.core.shared_prefix import prompt_rows
+
+            lend = self.e.block_size if self.e.prompts == "reuse" else 0
             for new in out.scheduled_new_reqs:
-                runner.add_request(
-                    CachedRequestState(
-                        req_id=new.req_id,
-                        prompt_token_ids=new.prompt_token_ids,
-                        prompt_embeds=new.prompt_embeds,
-                        mm_features=new.mm_features,
-                        sampling_params=new.sampling_params,
-                        pooling_params=new.pooling_params,
-                        generator=None,
-                        block_ids=new.block_ids,
-                        num_computed_tokens=new.num_computed_tokens,
-                        output_token_ids=[],
-                        lora_request=new.lora_request,
-                    )
+                state = self.states[new.req_id] = CachedRequestState(
+                    req_id=new.req_id,
+                    prompt_token_ids=new.prompt_token_ids,
+                    prompt_embeds=new.prompt_embeds,
+                    mm_features=new.mm_features,
+                    sampling_params=new.sampling_params,
+                    pooling_params=new.pooling_params,
+                    generator=None,
+                    block_ids=new.block_ids,
+                    num_computed_tokens=new.num_computed_tokens,
+                    output_token_ids=[],
+                    lora_request=new.lora_request,
                 )
+                if lend:  # the add-on's wrapper around vLLM's add_request, inside its _update_states'
+                    with prompt_rows.lending(lend):
+                        prompt_rows.add_request(runner.add_request, runner, (state,), {})
+                else:
+                    runner.add_request(state)
             runner.condense()
             runner.refresh_metadata()
             return list(runner.req_ids)
@@ -471,6 +482,7 @@ class Call:
         def remove() -> None:
             for req_id in nxt.finished_req_ids:
                 runner.remove_request(req_id)
+                self.states.pop(req_id, None)
             runner.condense()
 
         self.part("runner_remove", remove, (runner,))
@@ -522,7 +534,10 @@ def warm_prefix(engine: Engine, prefix: list[int], request_id: str = "prefix") -
 
 
 def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
-    engine = Engine(block_size, args.hasher, args.hits)
+    from mla_prefill_ext.hosts.core.shared_prefix import prompt_rows
+
+    engine = Engine(block_size, args.hasher, args.hits, args.prompts)
+    copied_before = list(prompt_rows.COPIED)
     if args.private:  # each request its own cached prefix, the same ones in every call
         prefixes = [
             common.seeded_tokens(f"prefix{i}", args.prefix, engine.vocab) for i in range(args.requests)
@@ -534,6 +549,7 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
         "block_size": block_size,
         "hasher": args.hasher,
         "hits": args.hits,
+        "prompts": args.prompts,
         "not_built": dict(engine.missing),
         "hash_algo": engine.core["hash_algo"] if engine.core else None,
         "scheduler_cls": getattr(engine, "scheduler_cls", None),
@@ -577,6 +593,9 @@ def run_block_size(args: Any, block_size: int) -> dict[str, Any]:
     res["gc_collections"] = [c.gc.collections for c in timed]
     res["raw_ms"] = {key: [c.times[key] for c in timed if key in c.times] for key, _, _ in PARTS}
     res["not_run"] = {k: v for c in timed for k, v in c.skipped.items()}
+    if args.prompts == "reuse":  # over every call of this block size, the untimed one's included
+        copied = [now - then for now, then in zip(prompt_rows.COPIED, copied_before, strict=True)]
+        res["prompts_copied"] = {"requests": copied[0], "tokens": copied[1]}
     hits = getattr(engine, "prefix_hits", None)
     if hits is not None:  # over every call, the warm-up's and the untimed one's included
         res["prefix_hits"] = {"reused": hits.reused_hits, "looked_up": hits.looked_up}
@@ -653,6 +672,13 @@ def main(argv: list[str] | None = None) -> int:
         default="stock",
         help="vLLM's prefix-cache lookup, or the add-on's around it (hits of leading blocks a recent lookup"
         " found, still cached, reused: the engine core's part of the shared-prefix path)",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("stock", "reuse"),
+        default="stock",
+        help="the runner's copy of each prompt into its input batch as vLLM does, or the add-on's (leading"
+        " tokens from the row of a request holding the same KV blocks: the runner's part of the path)",
     )
     parser.add_argument("--json", help="write the results and every raw time here")
     args = parser.parse_args(argv)

@@ -24,7 +24,14 @@ NOGATHER = "nogather"
 GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
 PAUSE = "pause"
-PAUSE_PARTS = ("plan", "route", "hashes", "hits", "gather", "prompts")  # the add-on's switch.PARTS (tested equal)
+PAUSE_PARTS = (
+    "plan",
+    "route",
+    "hashes",
+    "hits",
+    "gather",
+    "prompts",
+)  # the add-on's switch.PARTS (tested equal)
 PAUSE_IMPLIED = {"plan": ("route",), "hashes": ("gather",)}  # and its switch.IMPLIED
 
 

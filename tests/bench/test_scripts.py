@@ -217,6 +217,29 @@ def test_prefix_host_cost_with_the_addons_hasher_still_hits_the_cache(tmp_path):
     assert res["cached_tokens"] == [3 * 256] and res["finished_requests"] == [3]
 
 
+def test_prefix_host_cost_with_the_addons_prompt_rows_lends_the_prefix(tmp_path):
+    """--prompts reuse: in each call the first request's prompt is converted, the others take the
+    cached prefix's 2,048 tokens from its row (the untimed call and the timed one)."""
+    out = tmp_path / "host.json"
+    args = [
+        "--requests",
+        "3",
+        "--prefix",
+        "2048",
+        "--repeats",
+        "1",
+        "--block-size",
+        "16",
+        "--prompts",
+        "reuse",
+    ]
+    run_bench("prefix_host_cost", *args, "--json", str(out))
+    (res,) = json.loads(out.read_text())["prefix_host_cost"]
+    assert res["prompts"] == "reuse" and res["not_built"] == {} and res["not_run"] == {}, res
+    assert res["cached_tokens"] == [3 * 2048] and res["finished_requests"] == [3]
+    assert res["prompts_copied"] == {"requests": 2 * 2, "tokens": 2 * 2 * 2048}
+
+
 def test_prefix_host_cost_private_prefixes_are_each_cached_and_hit(tmp_path):
     """--private: each request its own cached prefix; every call's requests hit their own prefix."""
     out = tmp_path / "host.json"
