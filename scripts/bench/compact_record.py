@@ -10,7 +10,7 @@ dropped and what summarizes it:
 - ``arrival_traces``: dropped; ``by_arrival_split`` and ``split_steps`` (the run's tables of them) stay,
   made here from the traces if the run lacks them;
 - ``path_steps`` (per call): summed per side and point into ``path_steps_summary`` (calls,
-  steps_routed, steps_with_segments, gathered, blocks_reused, hits_reused);
+  steps_routed, steps_with_segments, gathered, blocks_reused, hits_reused, prompts_copied);
 - ``table`` (the markdown's source), ``cached_tokens``, ``output_tokens``, and each engine's
   ``step_shapes`` in ``engines_after``: dropped;
 - every float rounded to 6 decimals (seconds to the microsecond: the paired ratios and medians
@@ -37,7 +37,14 @@ from .common import parser
 from .shared_prefix_steps import load
 from .shared_prefix_table import split_table, step_table
 
-PATH_COUNTERS = ("steps_routed", "steps_with_segments", "gathered", "blocks_reused", "hits_reused")
+PATH_COUNTERS = (
+    "steps_routed",
+    "steps_with_segments",
+    "gathered",
+    "blocks_reused",
+    "hits_reused",
+    "prompts_copied",
+)
 DROPPED = {
     "arrival_traces": "arrival_traces dropped for size; by_arrival_split and split_steps summarize them",
     "path_steps": (

@@ -167,14 +167,24 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
-PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' shared_prefix reports
+PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments", "prompts_copied")  # the workers' reports
 # and the engine core's prefix_hashes report
-COUNTERS = (*PATH_COUNTERS, "blocks_reused", "hits_reused", "gathered")
+COUNTERS = (
+    "steps",
+    "steps_routed",
+    "steps_with_segments",
+    "blocks_reused",
+    "hits_reused",
+    "gathered",
+    "prompts_copied",
+)
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
     """The shared-prefix path's counters summed over the engine's workers (None: the path is not there).
 
+    ``prompts_copied``: new requests whose prompt took a shared prefix's tokens from another request's
+    row in the runner's batch;
     ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing;
     ``hits_reused``: prefix-cache hits its scheduler took from an earlier lookup instead of looking
     the blocks up; ``gathered``: client calls (requests, mostly) an idle engine core took into its
@@ -203,7 +213,7 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     (their ring holds the last 256 steps; a call of more steps keeps its last 256)."""
     if before is None or after is None:
         return None
-    delta: dict[str, Any] = {k: after[k] - before[k] for k in COUNTERS}
+    delta: dict[str, Any] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     took = after.get("first_worker_steps", 0) - before.get("first_worker_steps", 0)
     shapes = after.get("shapes", [])
     delta["shapes"] = [list(s) for s in shapes[len(shapes) - min(took, len(shapes)) :]]
@@ -221,7 +231,7 @@ def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         groups.setdefault((r["side"], point), []).append(r)
     lines = []
     for (side, point), rs in groups.items():
-        cells = ", ".join(f"{k} {[r[k] for r in rs]}" for k in COUNTERS)
+        cells = ", ".join(f"{k} {[r.get(k, 0) for r in rs]}" for k in COUNTERS)
         lines.append(f"{side} {point}: {cells}")
         if any(r.get("shapes") for r in rs):  # requests/tokens per step of each call, "r" if routed
             calls = (

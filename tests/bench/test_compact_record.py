@@ -95,6 +95,7 @@ def test_a_compact_record_keeps_what_its_tables_are_made_from(tmp_path):
         "gathered": 112,
         "blocks_reused": 42,
         "hits_reused": 0,
+        "prompts_copied": 0,
     }
     flash = record["seconds"]["FLASH_ATTN"]["private P=8192 B=16 N=128"]
     assert flash[0] == 0.132346  # to the microsecond
@@ -139,6 +140,7 @@ def test_calls_recorded_before_they_named_their_point_are_summed_by_shape():
             "gathered": 0,
             "blocks_reused": 0,
             "hits_reused": 0,
+            "prompts_copied": 0,
         }
     }
 
