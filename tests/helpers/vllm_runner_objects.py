@@ -57,27 +57,36 @@ def runner_block_table(rows: Sequence[Sequence[int]], block_size: int) -> torch.
     return table.get_device_tensor(len(rows))
 
 
+def empty_input_batch(
+    block_size: int, max_model_len: int = 8192, max_num_reqs: int = 32, vocab_size: int = 1000
+) -> Any:
+    """vLLM's runner ``InputBatch`` on the CPU, unpinned, with no request yet."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    kwargs = dict(
+        max_num_reqs=max_num_reqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_model_len,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        vocab_size=vocab_size,
+        block_sizes=[block_size],
+        kernel_block_sizes=[block_size],
+        max_num_blocks_per_req=[max_model_len // block_size],
+    )
+    with unpinned():
+        return InputBatch(**accepted(InputBatch, **kwargs))
+
+
 def runner_input_batch(
     requests: Sequence[tuple[Sequence[int], int, int]], block_size: int, max_model_len: int = 8192
 ) -> Any:
     """vLLM's runner ``InputBatch`` holding ``(block ids, computed tokens, prompt tokens)`` per request
     (request ids ``r0``, ``r1``, ...)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
-    kwargs = dict(
-        max_num_reqs=32,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_model_len,
-        device=torch.device("cpu"),
-        pin_memory=False,
-        vocab_size=1000,
-        block_sizes=[block_size],
-        kernel_block_sizes=[block_size],
-        max_num_blocks_per_req=[max_model_len // block_size],
-    )
-    with unpinned():
-        batch = InputBatch(**accepted(InputBatch, **kwargs))
+    batch = empty_input_batch(block_size, max_model_len)
     for i, (blocks, computed, prompt) in enumerate(requests):
         batch.add_request(
             CachedRequestState(

@@ -22,23 +22,9 @@ MAX_LEN = 4096
 
 
 def input_batch():
-    import torch
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-    from vllm_runner_objects import accepted, unpinned
+    from vllm_runner_objects import empty_input_batch
 
-    kwargs = dict(
-        max_num_reqs=16,
-        max_model_len=MAX_LEN,
-        max_num_batched_tokens=MAX_LEN,
-        device=torch.device("cpu"),
-        pin_memory=False,
-        vocab_size=VOCAB,
-        block_sizes=[BLOCK],
-        kernel_block_sizes=[BLOCK],
-        max_num_blocks_per_req=[MAX_LEN // BLOCK],
-    )
-    with unpinned():
-        return InputBatch(**accepted(InputBatch, **kwargs))
+    return empty_input_batch(BLOCK, MAX_LEN, max_num_reqs=16, vocab_size=VOCAB)
 
 
 def state(rid: str, tokens: list[int], block_ids: list[int]):
