@@ -54,8 +54,15 @@ class Wrappers:
     def undo_since(self, start: int) -> None:
         """Remove the wrappers installed after the first ``start`` (a set across modules that failed)."""
         landed, self.installed = self.installed[start:], self.installed[:start]
-        for mod, path, handle in reversed(landed):
-            wrapt.unwrap_object(mod, path, handle, missing_ok=True)
+        for i, (mod, path, handle) in reversed(list(enumerate(landed))):
+            try:
+                wrapt.unwrap_object(mod, path, handle, missing_ok=True)
+            except wrapt.WrapperNotOutermostError as e:  # still in place: still ours to remove later
+                self.installed[start:start] = landed[: i + 1]
+                logger.warning(
+                    "mla-prefill-ext could not remove its wrapper on %s.%s: %s", mod.__name__, path, e
+                )
+                return
 
     def unwrap_all(self) -> None:
         """Remove every wrapper, last first (idempotent)."""

@@ -111,8 +111,9 @@ def lockstep(seed: int, steps: int = 40) -> tuple[int, int]:
                 ours.add_request(own)
             stock.add_request(state(rid, list(tokens), ids))
             assert own.prompt_token_ids is tokens  # its own list back
-            added = ours.batch_update_builder.added
-            assert not added or not any(isinstance(x, prompt_rows._PromptWithArray) for x in added[-1])
+            # The logits processors' record: the prompt's tokens, no array held past the call.
+            assert ours.batch_update_builder.added[-1][2] == tokens
+            assert getattr(ours.batch_update_builder.added[-1][2], "array", None) is None
             live.append(rid)
         for batch in (ours, stock):
             batch.condense()
@@ -194,6 +195,52 @@ def test_a_lender_that_left_the_batch_lends_nothing():
     assert batch.token_ids_cpu[row, : 8 * BLOCK + 1].tolist() == [*prefix, 6]
 
 
+def test_a_request_id_back_in_the_batch_under_another_request_lends_nothing():
+    """A request out of the batch (preempted: the runner keeps its state) whose id comes back with another
+    request's tokens: a request over the first one's still-cached blocks must not read that row."""
+    batch = input_batch()
+    prefix = list(range(1, 8 * BLOCK + 1))
+    first = state("x", [*prefix, 5], list(range(1, 10)))
+    again = state("x", [7] * (8 * BLOCK + 1), list(range(50, 59)))  # the same id, another request
+    later = state("next", [*prefix, 6], [*range(1, 9), 60])
+    with prompt_rows.lending(BLOCK):
+        batch.add_request(first)
+        batch.remove_request("x")
+        batch.condense()
+        batch.refresh_metadata()
+        batch.add_request(again)
+        before = list(prompt_rows.COPIED)
+        batch.add_request(later)
+    assert prompt_rows.COPIED == before
+    row = batch.req_id_to_index["next"]
+    assert batch.token_ids_cpu[row, : 8 * BLOCK + 1].tolist() == [*prefix, 6]
+
+
+def test_a_lender_lends_its_prompt_not_the_tokens_it_generated():
+    """Its blocks past the prompt hold its output, which its row may not hold yet (async scheduling
+    writes a placeholder first): a request whose prompt is the lender's prompt and output takes the
+    prompt's whole blocks from the row and converts the rest."""
+    batch = input_batch()
+    prompt = list(range(1, 8 * BLOCK + 1))
+    output = list(range(900, 900 + 2 * BLOCK))
+    lender = state("lender", prompt, list(range(1, 9)))
+    with prompt_rows.lending(BLOCK):
+        batch.add_request(lender)
+    row = batch.req_id_to_index["lender"]
+    # Its decoded tokens as the runner records them under async scheduling: placeholders in the row.
+    lender.output_token_ids.extend(output)
+    lender.block_ids[0].extend([9, 10])
+    batch.token_ids_cpu[row, len(prompt) : len(prompt) + len(output)] = -1
+    batch.num_tokens_no_spec[row] = len(prompt) + len(output)
+    taker = state("taker", [*prompt, *output, 3], [*range(1, 11), 11])
+    before = list(prompt_rows.COPIED)
+    with prompt_rows.lending(BLOCK):
+        batch.add_request(taker)
+    assert prompt_rows.COPIED == [before[0] + 1, before[1] + len(prompt)]
+    taken = batch.req_id_to_index["taker"]
+    assert batch.token_ids_cpu[taken, : len(taker.prompt_token_ids)].tolist() == taker.prompt_token_ids
+
+
 def test_paused_or_outside_a_step_vllm_converts_every_prompt(paused_parts):
     """Outside a runner's step or paused, vLLM's add_request alone (nothing lent, nothing remembered);
     resumed, a request lends to the next one over its blocks."""
@@ -217,13 +264,44 @@ def test_paused_or_outside_a_step_vllm_converts_every_prompt(paused_parts):
         assert batch.token_ids_cpu[row, : 8 * BLOCK + 1].tolist() == one.prompt_token_ids
 
 
-def test_the_switch_decides(model_dirs, clean_selection):
+def kv_cache_config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)
+        ],
+    )
+
+
+def test_the_switch_the_model_and_its_kv_cache_decide(model_dirs, clean_selection, tmp_path):
+    """An MLA model whose KV cache is one MLA group, the path on: its block size (the group's, not the
+    configuration's); anything else: 0 (vLLM converts every prompt)."""
+    import json
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+    from vllm_configs import LLAMA_CONFIG
+
     from mla_prefill_ext.testing import vllm_host as host
 
     cfg = host.make_vllm_config(model_dirs["yarn"])
-    assert prompt_rows.block_size_for(cfg) == cfg.cache_config.block_size > 0
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert prompt_rows.block_size_for(cfg, kv_cache_config(mla)) == 64 != cfg.cache_config.block_size
+    window = SlidingWindowMLASpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128
+    )
+    full = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    for other in (kv_cache_config(window), kv_cache_config(full), kv_cache_config(mla, mla), None):
+        assert prompt_rows.block_size_for(cfg, other) == 0
+    llama = tmp_path / "tiny-llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    assert prompt_rows.block_size_for(host.make_vllm_config(llama), kv_cache_config(mla)) == 0
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
-    assert not switch.decide(cfg).on and prompt_rows.block_size_for(cfg) == 0
+    assert not switch.decide(cfg).on and prompt_rows.block_size_for(cfg, kv_cache_config(mla)) == 0
 
 
 def test_this_vllms_runner_has_the_shape():

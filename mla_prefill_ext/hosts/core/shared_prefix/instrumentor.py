@@ -114,6 +114,8 @@ class SharedPrefixInstrumentor:
             problem = targets.prompts_problem(runner_module, input_batch_module)
         except ImportError as e:
             problem = f"{targets.INPUT_BATCH_MODULE} does not import ({e})"
+        except Exception as e:  # inside vLLM's import of its runner: never let it fail there
+            problem = f"its shape could not be read ({type(e).__name__}: {e})"
         start = len(self.wrappers.installed)
         if problem is None:
             problem = self.wrappers.wrap_all(

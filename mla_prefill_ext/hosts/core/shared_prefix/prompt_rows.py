@@ -1,19 +1,23 @@
-"""A shared prefix's prompt tokens put into the runner's input batch once per step, not once per request.
+"""A shared prefix's prompt tokens copied from a request already in the runner's batch, not converted again.
 
 vLLM's V1 model runner copies every new request's prompt into its input batch
 (``InputBatch.add_request``: ``token_ids_cpu[row, :num_prompt_tokens] = prompt_token_ids``), a
-Python list converted to numpy element by element: 1.25 ms per 32k-token prompt on a 2-core CPU,
-20 ms for 16 requests over one cached 32k prefix, on the step's critical path before its forward.
+Python list converted to numpy element by element: about 0.7 ms per 32k-token prompt on a 2-core
+CPU, 10.5-11.3 ms for 16 requests over one cached 32k prefix (docs/results/cpu-2026-12-04-prompt-rows),
+on the step's critical path before its forward.
 
-With the path on, a new request whose leading KV blocks are the very blocks (same block ids, same
-positions) of a request already in the batch takes those tokens from that request's row (a
-memcpy) and converts only the rest. Exact: two requests hold one block at one position only
-through a prefix-cache hit, whose block hash is a function of the tokens it holds (and of the
-blocks before it), so the tokens are the same, as vLLM's own reuse of that block's KV already
-assumes; a lender is a request still in the batch at this step (a finished, preempted or
-unscheduled request has left it before new ones are added), whose blocks the scheduler holds.
-vLLM's ``add_request`` runs as it is: it is handed the prompt as a list whose array form is ready
-(numpy takes it through ``__array__``), and the request gets its own list back after.
+With the path on, for an MLA model whose KV cache is one MLA group, a new request whose leading KV
+blocks are the very blocks (same block ids, same positions) of a request still in the batch takes
+those tokens from that request's row (a copy of an array) and converts only the rest. Exact: in one
+full-attention group two requests hold one block at one position only through a prefix-cache hit,
+whose block hash is a function of the tokens it holds (and of the blocks before it), so the tokens
+are the same, as vLLM's own reuse of that block's KV already assumes; a lender is a request still
+in the batch at this step (a finished, preempted or unscheduled request has left it before new ones
+are added), whose blocks the scheduler holds, and only its prompt's whole blocks lend (its row holds
+placeholders for tokens not sampled yet under async scheduling). Sliding-window and other groups
+are left to vLLM (a window frees blocks the runner's block ids still name). vLLM's ``add_request``
+runs as it is: it is handed the prompt as a list whose array form is ready (numpy takes it through
+``__array__``); the request gets its own list back after.
 """
 
 from __future__ import annotations
@@ -51,14 +55,25 @@ class _PromptWithArray(list):
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         array = self.array
+        if array is None:  # after its add_request (a logits processor's record may keep the list)
+            return np.array(list(self), dtype=dtype)
         return array if dtype is None or np.dtype(dtype) == array.dtype else array.astype(dtype)
 
 
-def block_size_for(vllm_config: Any) -> int:
-    """The KV block size when an engine's new prompts may take lenders' rows (the path on), else 0."""
+def block_size_for(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The KV block size when an engine's new prompts may take lenders' rows, else 0: the path on, an
+    MLA model, and its KV cache one group of MLA layers (full attention)."""
+    if not getattr(getattr(vllm_config, "model_config", None), "use_mla", False):
+        return 0
     if not switch.decide(vllm_config).on:
         return 0
-    return int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    spec = getattr(groups[0], "kv_cache_spec", None) if len(groups) == 1 else None
+    if type(spec) is not MLAAttentionSpec:  # not its subclasses either (sparse, hidden-state caches)
+        return 0
+    return int(spec.block_size)
 
 
 @contextlib.contextmanager
@@ -74,8 +89,11 @@ def lending(block_size: int) -> Iterator[None]:
 def update_states(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``GPUModelRunner._update_states(scheduler_output)``: new prompts may take lenders' rows."""
     block_size = instance.__dict__.get(_ON_ATTR)
-    if block_size is None:  # decided once per runner
-        block_size = instance.__dict__[_ON_ATTR] = block_size_for(instance.vllm_config)
+    if block_size is None:
+        kv_cache_config = getattr(instance, "kv_cache_config", None)
+        block_size = block_size_for(instance.vllm_config, kv_cache_config) if kv_cache_config else 0
+        if kv_cache_config is not None:  # decided once per runner, once its KV cache is laid out
+            instance.__dict__[_ON_ATTR] = block_size
     with lending(block_size):
         return wrapped(*args, **kwargs)
 
@@ -97,23 +115,14 @@ def _lender(
         theirs = state.block_ids[0] if len(state.block_ids) == 1 else ()
         if not theirs or theirs[0] != ids[0]:
             continue
-        limit = min(most, len(theirs), int(batch.num_prompt_tokens[row]) // block_size)
+        # Only its prompt's whole blocks, and only what its row holds (pipeline parallelism's first
+        # ranks may hold fewer tokens than the prompt in a row: num_tokens_no_spec).
+        held = min(int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row]))
+        limit = min(most, len(theirs), held // block_size)
         tokens = common_blocks(ids, theirs, 1, limit) * block_size
         if tokens >= MIN_SHARED_TOKENS and (best is None or tokens > best[1]):
             best = (row, tokens)
     return best
-
-
-def _give_back(batch: Any, lent: list[int], own: list[int]) -> None:
-    """The logits processors' record of the added request holds its own list again."""
-    added = getattr(getattr(batch, "batch_update_builder", None), "added", None)
-    if not added:
-        return
-    for i in range(len(added) - 1, -1, -1):
-        entry = added[i]
-        if isinstance(entry, tuple) and any(item is lent for item in entry):
-            added[i] = tuple(own if item is lent else item for item in entry)
-            return
 
 
 def add_request(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -152,7 +161,10 @@ def add_request(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         result = wrapped(*args, **kwargs)
     finally:
         request.prompt_token_ids = tokens
-        _give_back(instance, lent, tokens)
+        # The logits processors' record of the step's added requests keeps the lent list (equal to
+        # the request's own; replacing the record's tuple left one more object in the garbage
+        # collector's young count per request, which made its collections fall more often).
+        lent.array = None
     COPIED[0] += 1
     COPIED[1] += shared
     return result

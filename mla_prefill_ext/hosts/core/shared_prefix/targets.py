@@ -102,8 +102,9 @@ def prompts_problem(runner_module: ModuleType, input_batch_module: ModuleType) -
 
     As in vLLM 0.20.2, 0.25.1 and 0.33.0: ``_update_states(scheduler_output)`` adds the step's new
     requests through ``InputBatch.add_request(request)``, which copies ``request.prompt_token_ids``
-    into ``token_ids_cpu`` and keeps rows by ``req_id_to_index``, ``req_output_token_ids`` and
-    ``num_prompt_tokens``; a ``CachedRequestState`` holds ``block_ids`` per KV cache group.
+    into ``token_ids_cpu`` and keeps rows by ``req_id_to_index``, ``req_output_token_ids``,
+    ``num_prompt_tokens`` and ``num_tokens_no_spec``; a ``CachedRequestState`` holds ``block_ids`` per
+    KV cache group.
     """
     try:
         update = _defined(runner_module, UPDATE_STATES)
@@ -119,6 +120,7 @@ def prompts_problem(runner_module: ModuleType, input_batch_module: ModuleType) -
             "req_id_to_index",
             "req_output_token_ids",
             "num_prompt_tokens",
+            "num_tokens_no_spec",
         )
         state = getattr(input_batch_module, "CachedRequestState", None)
         fields = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) else set()
