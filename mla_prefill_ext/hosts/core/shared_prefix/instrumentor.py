@@ -4,7 +4,9 @@ Three wrappers: the MLA metadata builder's ``build`` (:func:`.step.after_build`)
 ``_compute_prefill_context`` (:func:`.layer.compute_prefill_context`) and the runner block
 table's ``get_device_tensor`` (:func:`.block_tables.remember_host_twin`); and, once vLLM's GPU
 model runner module is imported, its ``_may_reorder_batch`` (:func:`.routing.may_reorder_batch`:
-short extends that share a prefix routed to the prefill path). Applied when vLLM's MLA
+short extends that share a prefix routed to the prefill path) and its ``_update_states`` with the input
+batch's ``add_request`` (:mod:`.prompt_rows`: a shared prefix's prompt tokens copied from a request already
+in the batch), each with its own shape check. Applied when vLLM's MLA
 module is imported, after the host's own patch (vLLM 0.20) or bridge (0.23+), and only when
 :mod:`.targets` finds the shape they were written for; otherwise one INFO line says why and
 vLLM's context path runs as it always does.
