@@ -174,41 +174,22 @@ def test_a_burst_over_one_prefix_converts_it_once():
         assert batch.token_ids_cpu[row, : 128 * BLOCK + 40].tolist() == prefix + [i] * 40
 
 
-def test_a_lender_that_left_the_batch_lends_nothing():
-    """Unscheduled (its state kept by the runner, as for a preempted request), its row taken by another
-    request: the next request over its blocks converts its own prompt."""
+@pytest.mark.parametrize("replacement", ["other", "lender"])
+def test_a_lender_that_left_the_batch_lends_nothing(replacement):
+    """Out of the batch (unscheduled or preempted: the runner keeps its state), its row taken by another
+    request, under another id or under its own id come back: a request over its still-cached blocks
+    converts its own prompt and does not read that row."""
     batch = input_batch()
     prefix = list(range(1, 8 * BLOCK + 1))
     lender = state("lender", [*prefix, 5], list(range(1, 10)))
-    other = state("other", [7] * (8 * BLOCK + 1), list(range(50, 59)))
+    other = state(replacement, [7] * (8 * BLOCK + 1), list(range(50, 59)))
     later = state("next", [*prefix, 6], [*range(1, 9), 60])
     with prompt_rows.lending(BLOCK):
         batch.add_request(lender)
         batch.remove_request("lender")
+        batch.condense()
+        batch.refresh_metadata()
         batch.add_request(other)  # takes its row
-        batch.condense()
-        batch.refresh_metadata()
-        before = list(prompt_rows.COPIED)
-        batch.add_request(later)
-    assert prompt_rows.COPIED == before
-    row = batch.req_id_to_index["next"]
-    assert batch.token_ids_cpu[row, : 8 * BLOCK + 1].tolist() == [*prefix, 6]
-
-
-def test_a_request_id_back_in_the_batch_under_another_request_lends_nothing():
-    """A request out of the batch (preempted: the runner keeps its state) whose id comes back with another
-    request's tokens: a request over the first one's still-cached blocks must not read that row."""
-    batch = input_batch()
-    prefix = list(range(1, 8 * BLOCK + 1))
-    first = state("x", [*prefix, 5], list(range(1, 10)))
-    again = state("x", [7] * (8 * BLOCK + 1), list(range(50, 59)))  # the same id, another request
-    later = state("next", [*prefix, 6], [*range(1, 9), 60])
-    with prompt_rows.lending(BLOCK):
-        batch.add_request(first)
-        batch.remove_request("x")
-        batch.condense()
-        batch.refresh_metadata()
-        batch.add_request(again)
         before = list(prompt_rows.COPIED)
         batch.add_request(later)
     assert prompt_rows.COPIED == before

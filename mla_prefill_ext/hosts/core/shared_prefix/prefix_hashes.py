@@ -99,6 +99,20 @@ def common_blocks(a: Sequence[Any], b: Sequence[Any], block_size: int, limit: in
     return lo
 
 
+def keep_latest_of_each_kind(items: list[Any], kind: Callable[[Any], bool], most: int) -> None:
+    """Drop from ``items`` (most recent first) all but the ``most`` first of each ``kind`` (True or False)."""
+    if len(items) <= most:
+        return
+    counts = [0, 0]
+    keep = []
+    for item in items:
+        k = kind(item)
+        counts[k] += 1
+        if counts[k] <= most:
+            keep.append(item)
+    items[:] = keep
+
+
 def _as_list(tokens: Any) -> list[int]:
     # vLLM's token views slice to lists already: a second copy of a 32k-token prompt costs ~50 us.
     return tokens if isinstance(tokens, list) else list(tokens)
@@ -229,12 +243,4 @@ class ReusingHasher:
                 if len(donor.hashes) > len(new.hashes):
                     new = donor
         self._donors.insert(0, new)
-        if len(self._donors) > DONORS:  # at most DONORS of each kind, the most recent
-            counts = [0, 0]
-            keep = []
-            for donor in self._donors:
-                kind = donor.tokens is not None
-                counts[kind] += 1
-                if counts[kind] <= DONORS:
-                    keep.append(donor)
-            self._donors[:] = keep
+        keep_latest_of_each_kind(self._donors, lambda donor: donor.tokens is not None, DONORS)

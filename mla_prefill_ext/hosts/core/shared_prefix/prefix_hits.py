@@ -30,7 +30,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from mla_prefill_ext.hosts.core.shared_prefix import switch
-from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks
+from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks, keep_latest_of_each_kind
 
 MEMOS = 8
 """Lookups remembered per coordinator, of each kind: those that took hits from a remembered lookup
@@ -159,14 +159,7 @@ class PrefixHits:
                 if len(old.hashes) > len(memo.hashes):
                     memo = old._replace(shared=True)  # it lent
         self._memos.insert(0, memo)
-        if len(self._memos) > MEMOS:  # at most MEMOS of each kind, the most recent
-            counts = [0, 0]
-            keep = []
-            for kept in self._memos:
-                counts[kept.shared] += 1
-                if counts[kept.shared] <= MEMOS:
-                    keep.append(kept)
-            self._memos[:] = keep
+        keep_latest_of_each_kind(self._memos, operator.attrgetter("shared"), MEMOS)
 
 
 COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
