@@ -168,8 +168,7 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
 
 
 PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments", "prompts_copied")  # the workers' reports
-# and the engine core's prefix_hashes report
-COUNTERS = (
+COUNTERS = (  # those and the engine core's prefix_hashes report
     "steps",
     "steps_routed",
     "steps_with_segments",

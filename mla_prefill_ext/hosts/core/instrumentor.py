@@ -42,17 +42,21 @@ class Wrappers:
 
     def wrap_all(self, module: ModuleType, table: list[tuple[str, Any]]) -> str | None:
         """Wrap every (path, wrapper) of ``table`` in ``module``, or none: the reason when none."""
+        return self.wrap_each([(module, path, wrapper) for path, wrapper in table])
+
+    def wrap_each(self, table: list[tuple[ModuleType, str, Any]]) -> str | None:
+        """Wrap every (module, path, wrapper) of ``table``, or none: the reason when none."""
         start = len(self.installed)
         try:
-            for path, wrapper in table:
+            for module, path, wrapper in table:
                 self.wrap(module, path, wrapper)
         except Exception as e:  # all or none: undo the part that landed
-            self.undo_since(start)
+            self._undo_since(start)
             return f"wrapping failed ({type(e).__name__}: {e})"
         return None
 
-    def undo_since(self, start: int) -> None:
-        """Remove the wrappers installed after the first ``start`` (a set across modules that failed)."""
+    def _undo_since(self, start: int) -> None:
+        """Remove the wrappers installed after the first ``start``."""
         landed, self.installed = self.installed[start:], self.installed[:start]
         for i, (mod, path, handle) in reversed(list(enumerate(landed))):
             try:

@@ -118,17 +118,13 @@ class SharedPrefixInstrumentor:
             problem = f"{targets.INPUT_BATCH_MODULE} does not import ({e})"
         except Exception as e:  # inside vLLM's import of its runner: never let it fail there
             problem = f"its shape could not be read ({type(e).__name__}: {e})"
-        start = len(self.wrappers.installed)
         if problem is None:
-            problem = self.wrappers.wrap_all(
-                runner_module, [(targets.UPDATE_STATES, prompt_rows.update_states)]
+            problem = self.wrappers.wrap_each(
+                [
+                    (runner_module, targets.UPDATE_STATES, prompt_rows.update_states),
+                    (input_batch_module, targets.ADD_REQUEST, prompt_rows.add_request),
+                ]
             )
-        if problem is None:
-            problem = self.wrappers.wrap_all(
-                input_batch_module, [(targets.ADD_REQUEST, prompt_rows.add_request)]
-            )
-            if problem is not None:
-                self.wrappers.undo_since(start)
         if problem is not None:
             log_once(
                 logging.INFO,
