@@ -87,14 +87,13 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
             ),
             "problem": False,
         }
-    from mla_prefill_ext import versions
     from mla_prefill_ext.hosts.core.shared_prefix.switch import runner_outlook
 
-    served, runner = runner_outlook(versions.installed_vllm_version())
-    if not served:
+    unserved = runner_outlook()
+    if unserved:
         return {
             "on": False,
-            "reason": f"off by default here: {runner}; {_hashes_outlook(_engine_core_problem())}",
+            "reason": f"off here: {unserved}; {_hashes_outlook(_engine_core_problem())}",
             "problem": False,
         }
     core_problem = _engine_core_problem()
@@ -103,7 +102,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; "
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap; "
             f"{_hashes_outlook(core_problem)}; {_gather_outlook(core_problem)}"
         ),
         "problem": False,

@@ -179,10 +179,12 @@ def prefill_batch(
     block_table: torch.Tensor | None = None,
     block_size: int = 16,
     table_width: int = 8,
+    req_idx: Any = None,
 ) -> Any:
     """vLLM's per-step metadata for prefills of ``new_lens`` tokens after ``context_lens`` cached ones.
 
-    Without a block table: one dummy table and consecutive slots (no KV cache is read).
+    Without a block table: one dummy table and consecutive slots (no KV cache is read). ``req_idx``:
+    each row's request in the V2 runner (vLLM 0.33+), as its metadata carries it.
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -211,6 +213,7 @@ def prefill_batch(
         block_table_tensor=block_table,
         slot_mapping=slot_mapping,
         seq_lens_cpu_upper_bound=seq_lens.clone(),
+        **({} if req_idx is None else {"req_idx": req_idx}),
     )
 
 

@@ -1,4 +1,5 @@
-"""vLLM's GPU model runner objects, built for real on the CPU: its ``BlockTable`` and ``InputBatch``.
+"""vLLM's GPU model runner objects, built for real on the CPU: the V1 runner's ``BlockTable`` and
+``InputBatch``, the V2 runner's ``BlockTables`` (vLLM 0.33+).
 
 Shared by the shared-prefix path's tests (tests/hosts/core/test_shared_prefix_path.py) and the layer
 benchmark's router prediction test (tests/bench/test_shared_prefix_layer.py). Their constructors
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import torch
 
 
@@ -35,8 +37,24 @@ def unpinned() -> Iterator[None]:
         yield
 
 
-def runner_block_table(rows: Sequence[Sequence[int]], block_size: int) -> torch.Tensor:
-    """vLLM's runner block table holding ``rows``; its device view, as the runner hands it to a builder."""
+def default_runner() -> str:
+    """The model runner this vLLM picks by default (for a DeepSeek model): "V2" from 0.33, else "V1"."""
+    from mla_prefill_ext import versions
+
+    line = versions.release(versions.installed_vllm_version() or "") or (0, 0, 0)
+    return "V2" if line[:2] >= (0, 33) else "V1"
+
+
+def runner_block_table(
+    rows: Sequence[Sequence[int]], block_size: int, runner: str | None = None
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """vLLM's runner block table holding ``rows`` (the step's requests in batch order): the tensor the
+    runner hands a builder, and the ``req_idx`` the V2 runner's metadata carries (None on V1).
+
+    ``runner``: "V1" or "V2" (default: :func:`default_runner`).
+    """
+    if (runner or default_runner()) == "V2":
+        return v2_block_tables(rows, block_size)
     from vllm.v1.worker.block_table import BlockTable
 
     kwargs = dict(
@@ -54,7 +72,45 @@ def runner_block_table(rows: Sequence[Sequence[int]], block_size: int) -> torch.
         for i, row in enumerate(rows):
             table.add_row(list(row), i)
         table.commit_block_table(len(rows))
-    return table.get_device_tensor(len(rows))
+    return table.get_device_tensor(len(rows)), None
+
+
+def v2_tables(block_size: int, max_num_reqs: int = 8, max_blocks: int = 8) -> Any:
+    """The V2 runner's ``BlockTables`` (vLLM 0.33+) on the CPU, one KV cache group."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    kwargs = dict(
+        block_sizes=[block_size],
+        max_num_reqs=max_num_reqs,
+        max_num_batched_tokens=256,
+        max_num_blocks_per_group=[max_blocks],
+        device=torch.device("cpu"),
+    )
+    return BlockTables(**accepted(BlockTables, **kwargs))
+
+
+def v2_gather(tables: Any, req_idx: np.ndarray) -> torch.Tensor:
+    """The step's rows gathered as the V2 runner's ``gather_block_tables`` does into its first group's
+    input table, the tensor its builders get. A double of that one Triton kernel, which needs a GPU: the
+    same copy (rows by request index, up to each row's block count) in torch."""
+    out = tables.input_block_tables[0]
+    n = len(req_idx)
+    counts = tables.num_blocks.np[0]
+    out[:n] = 0
+    for batch_row, req in enumerate(req_idx):
+        out[batch_row, : counts[req]] = tables.block_tables[0].gpu[req, : counts[req]]
+    return out[:n]
+
+
+def v2_block_tables(rows: Sequence[Sequence[int]], block_size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The V2 runner holding ``rows``: written through its real ``append_block_ids`` into request slots
+    that are not the batch order (as in a runner whose requests came and went), then gathered."""
+    tables = v2_tables(block_size)
+    req_idx = np.array([(5 + 3 * i) % 8 for i in range(len(rows))], dtype=np.int32)
+    for req, row in zip(req_idx, rows, strict=True):
+        tables.append_block_ids(int(req), (list(row),), True)
+    tables.apply_staged_writes()
+    return v2_gather(tables, req_idx), req_idx
 
 
 def empty_input_batch(

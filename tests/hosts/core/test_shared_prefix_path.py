@@ -28,7 +28,7 @@ from mla_layer_on_cpu import (
     make_builder,
     recording,
 )
-from vllm_runner_objects import runner_block_table, runner_input_batch
+from vllm_runner_objects import runner_block_table, runner_input_batch, v2_gather, v2_tables
 
 from mla_prefill_ext import versions
 from mla_prefill_ext.testing import vllm_host as host
@@ -61,9 +61,19 @@ def _path() -> Any:
 @pytest.fixture
 def activated(clean_selection: pytest.MonkeyPatch) -> Any:
     """The add-on active on this vLLM's host, vLLM's MLA module loaded (the path wraps it then)."""
-    # The path serves vLLM's V1 model runner, whose objects these tests build (vLLM 0.33 picks V2 by default).
-    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # vLLM's own runner choice
     return activate_on_this_vllm(clean_selection)
+
+
+@pytest.fixture(params=["V1", "V2"])
+def runner(request: pytest.FixtureRequest, activated: Any) -> str:
+    """Each model runner whose block tables the path reads on this vLLM (0.33: both; 0.34: V2; before: V1)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    missing = needs.problems("plan", request.param)
+    if missing:
+        pytest.skip(f"the path does not read the {request.param} runner's block tables here: {missing[0]}")
+    return request.param
 
 
 @pytest.fixture
@@ -75,15 +85,16 @@ def small_groups_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(costs, "GROUP_VALUE", FlopCostModel())
 
 
-def _block_table(rows: list[list[int]]) -> Any:
-    """vLLM's runner block table (on the CPU), holding ``rows``; its device view, as the runner hands it."""
-    return runner_block_table(rows, BS)
+def _block_table(rows: list[list[int]], runner: str | None = None) -> tuple[Any, Any]:
+    """vLLM's runner block table (on the CPU), holding ``rows``: the tensor the runner hands a builder and
+    the V2 runner's ``req_idx`` (None on V1)."""
+    return runner_block_table(rows, BS, runner)
 
 
 class Step:
     """One step's inputs (written into a paged cache) and each request's float64 expectation."""
 
-    def __init__(self, layer: Any, shared: list[int] = SHARED) -> None:
+    def __init__(self, layer: Any, shared: list[int] = SHARED, runner: str | None = None) -> None:
         gen = torch.Generator().manual_seed(11)
         dtype = torch.bfloat16
         self.layer = layer
@@ -97,7 +108,7 @@ class Step:
         self.q = torch.randn(sum(self.new), heads, NOPE + ROPE, generator=gen).to(dtype)
         self.kv_c = torch.randn(sum(self.new), LORA, generator=gen).to(dtype)
         self.k_pe = torch.randn(sum(self.new), 1, ROPE, generator=gen).to(dtype)
-        self.device_table = _block_table(self.rows)
+        self.device_table, self.req_idx = _block_table(self.rows, runner)
         slots = []
         for row, c, n in zip(self.rows, self.ctx, self.new, strict=True):
             slots += [row[p // BS] * BS + p % BS for p in range(c, c + n)]
@@ -106,7 +117,7 @@ class Step:
         flat[self.slots] = torch.cat([self.kv_c, self.k_pe.squeeze(1)], dim=-1)
 
     def batch(self) -> Any:
-        batch = host.prefill_batch(self.new, self.ctx, self.device_table, BS)
+        batch = host.prefill_batch(self.new, self.ctx, self.device_table, BS, req_idx=self.req_idx)
         batch.slot_mapping = self.slots
         return batch
 
@@ -125,7 +136,12 @@ class Step:
 
 
 def run_step(
-    cfg: Any, layer: Any, mla_module: Any, workspace: int = 64, shared: list[int] = SHARED
+    cfg: Any,
+    layer: Any,
+    mla_module: Any,
+    workspace: int = 64,
+    shared: list[int] = SHARED,
+    runner: str | None = None,
 ) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
 
@@ -133,7 +149,7 @@ def run_step(
     builder.chunked_prefill_workspace_size = workspace
     impl = layer.impl
     impl.dcp_world_size = 1  # what MLAAttention.forward_impl sets before calling forward_mha
-    step = Step(layer, shared)
+    step = Step(layer, shared, runner)
     with cpu_step_kernels(mla_module), host.gpu_view(None), set_current_vllm_config(cfg):
         metadata = builder.build(0, step.batch())
     output = torch.full((sum(step.new), layer.num_heads * DV), float("nan"), dtype=torch.bfloat16)
@@ -159,7 +175,7 @@ def test_the_path_wraps_vllms_context_code_where_it_has_the_known_shape(activate
 
 
 def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
-    activated, model_dirs, small_groups_pay
+    activated, runner, model_dirs, small_groups_pay
 ):
     path = _path()
     if not path.instrumented:
@@ -167,7 +183,7 @@ def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
     before = path.report()["steps_with_segments"]
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
-    result = run_step(cfg, layer, activated)
+    result = run_step(cfg, layer, activated, runner=runner)
     print("shared-prefix path on:", {k: v for k, v in result.items() if k != "shared"})
     assert path.report()["steps_with_segments"] == before + 1  # the counter the benchmarks read
     assert result["shared"] is not None and len(result["shared"].plan.segments) == 1
@@ -422,16 +438,51 @@ def test_short_extends_with_private_contexts_behind_one_shared_header_stay_put(a
     assert routing.step_threshold(_input_batch(requests), scheduled, 512) is None
 
 
-def test_the_host_block_table_is_found_for_the_runners_device_view_only(activated):
+def test_the_host_block_table_is_found_for_the_runners_device_view_only(activated, runner):
     from mla_prefill_ext.hosts.core.shared_prefix import block_tables
 
-    if not _path().instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {_path().problem}")
-    device = _block_table([[3, 4], [5]])
-    host = block_tables.host_rows(device)
-    assert host is not None and host[0, :2].tolist() == [3, 4] and host[1, 0] == 5
-    assert block_tables.host_rows(device[:, :1]) is None  # same address, another layout
-    assert block_tables.host_rows(torch.zeros(2, 8, dtype=torch.int32)) is None
+    device, req_idx = _block_table([[3, 4], [5]], runner)
+    common = host.prefill_batch([1, 1], [20, 4], device, BS, req_idx=req_idx)
+    rows = block_tables.host_rows(common)
+    assert rows is not None and rows[0, :2].tolist() == [3, 4] and rows[1, 0] == 5
+    other = host.prefill_batch([1, 1], [20, 4], torch.zeros(2, 8, dtype=torch.int32), BS, req_idx=req_idx)
+    assert block_tables.host_rows(other) is None  # a tensor the runner did not hand out
+    if req_idx is None:
+        narrowed = host.prefill_batch([1, 1], [4, 4], device[:, :1], BS)
+        assert block_tables.host_rows(narrowed) is None  # same address, another layout
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_coming_and_going(activated, seed):
+    """vLLM's real V2 ``BlockTables`` (0.33+), written through its own ``append_block_ids`` (the add-on's
+    wrapper in place) with new requests, appended blocks, rows given to other requests and resumed
+    requests written again (``overwrite``): after each step the mirror's rows equal vLLM's own, up to
+    each row's block count; and the rows the builder reads for a step's ``req_idx`` are vLLM's."""
+    from mla_prefill_ext.hosts.core.shared_prefix import block_tables, needs
+
+    if needs.problems("plan", "V2"):
+        pytest.skip(f"the path does not read the V2 runner here: {needs.problems('plan', 'V2')[0]}")
+    rng = np.random.default_rng(seed)
+    tables = v2_tables(BS, max_num_reqs=8, max_blocks=32)
+    live: dict[int, int] = {}
+    for _ in range(40):
+        req = int(rng.integers(8))
+        overwrite = req not in live or bool(rng.random() < 0.2)
+        count = 0 if overwrite else live[req]
+        new = rng.integers(1, 100, size=int(rng.integers(0, min(6, 32 - count) + 1))).tolist()
+        tables.append_block_ids(req, (new,), overwrite)
+        live[req] = count + len(new)
+        if rng.random() < 0.5:
+            tables.apply_staged_writes()
+            step = np.array(sorted(live, key=lambda r: rng.random()), dtype=np.int32)
+            device = v2_gather(tables, step)
+            common = host.prefill_batch([1] * len(step), [1] * len(step), device, BS, req_idx=step)
+            rows = block_tables.host_rows(common)
+            assert rows is not None
+            for batch_row, r in enumerate(step):
+                n = int(tables.num_blocks.np[0, r])
+                assert n == live[r]
+                assert rows[batch_row, :n].tolist() == tables.block_tables[0].gpu[r, :n].tolist()
 
 
 def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshold(

@@ -9,10 +9,18 @@ from mla_prefill_ext.testing import vllm_host as host
 
 
 @pytest.fixture
+def activated(clean_selection):
+    """The add-on active on this vLLM's host, vLLM's MLA module loaded (the path records each runner)."""
+    from mla_layer_on_cpu import activate_on_this_vllm
+
+    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    return activate_on_this_vllm(clean_selection)
+
+
+@pytest.fixture
 def config(model_dirs, clean_selection):
     clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
-    # The runner the path serves (0.33 defaults to V2).
-    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # vLLM's own runner choice
     return host.make_vllm_config(model_dirs["yarn"])
 
 
@@ -59,43 +67,60 @@ def test_each_exclusion_turns_it_off_with_its_reason(config, section, field, val
     assert not decision.on and reason in decision.reason, decision
 
 
-def test_vllms_v2_model_runner_turns_it_off_with_its_reason(config, clean_selection):
-    """The V2 runner keeps block tables on the GPU only: the path is off there, and says so (0.33's
-    default for every model; VLLM_USE_V2_MODEL_RUNNER=1 picks it on 0.20 and 0.25 too)."""
-    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+def _runners_here() -> list[str]:
+    """The model runners this vLLM has (0.34 has no V1 runner: choosing it is an error there)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    return [r for r in needs.RUNNERS if "does not import" not in " ".join(needs.problems("plan", r))]
+
+
+@pytest.mark.parametrize("runner", ["V1", "V2"])
+def test_each_runner_is_served_exactly_where_its_block_tables_can_be_read(
+    activated, model_dirs, clean_selection, runner
+):
+    """The decision follows the table's rows for the engine's runner (what this vLLM has), and an "off"
+    names the row that failed and a remedy this vLLM accepts (never V1 where vLLM has none)."""
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    if runner not in _runners_here():
+        pytest.skip(f"this vLLM has no {runner} model runner")
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "V2" else "0")
+    config = host.make_vllm_config(model_dirs["yarn"])
+    assert switch.runner_of(config) == runner
+    missing = needs.problems("plan", runner)
     decision = switch.decide(config)
-    assert not decision.on
-    assert "vLLM's V2 model runner runs this engine" in decision.reason, decision
-    assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in decision.reason
+    assert decision.on is not missing, decision
+    if missing:
+        assert f"vLLM's {runner} model runner ({missing[0]}" in decision.reason, decision
+        other = "V1" if runner == "V2" else "V2"
+        advised = f"selects the {other} runner" in decision.reason
+        assert advised is (other in _runners_here() and not needs.problems("plan", other)), decision
 
 
-def test_vllms_own_runner_choice_is_the_one_read(config, clean_selection):
-    """With the variable unset, vLLM's own choice decides: on 0.25+ ``VllmConfig.use_v2_model_runner``
-    (0.33: V2 for this model; 0.25: V1, the model has MoE layers), before 0.25 the V1 runner."""
-    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    v2 = bool(getattr(config, "use_v2_model_runner", False))
-    assert switch.decide(config).on is not v2
-    assert ("vLLM's V2 model runner runs this engine" in switch.decide(config).reason) is v2
+def test_a_runner_the_add_on_does_not_know_is_off_with_its_reason(activated, config, monkeypatch):
+    from mla_prefill_ext.hosts.core.shared_prefix import block_tables
+
+    monkeypatch.setattr(switch, "runner_of", lambda cfg: "V3")
+    decision = switch.decide(config)
+    assert not decision.on and "vLLM's V3 model runner (not known to the add-on)" in decision.reason
+    assert block_tables.RUNNER_PROBLEMS, "the instrumentor ran and recorded each runner"
 
 
-@pytest.mark.parametrize(("value", "served"), [("1", False), ("0", True), (None, None)])
-def test_info_outlook_without_an_engine_names_the_runner(clean_selection, value, served):
+def test_info_outlook_without_an_engine_names_an_unserved_runner(activated, clean_selection):
+    """``info`` on each tested vLLM, its runner left to vLLM: 0.20 picks V1 (served); 0.25 may pick V2 by
+    model (its builders are not told each row's request: not served, said); 0.33 may pick either, 0.34
+    has V2 only (served)."""
     from mla_prefill_ext import versions
 
-    if value is None:
-        clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    else:
-        clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
-    version = versions.installed_vllm_version()
-    on, reason = switch.runner_outlook(version)
-    if served is None:  # unset: vLLM's default, by its release line
-        line = versions.release(version or "") or (0, 0, 0)
-        served = line[:2] < switch.V2_DEFAULT_FOR_EVERY_MODEL
-        caveat = line[:2] >= (0, 25) and served
-        assert ("vLLM 0.25 picks it for dense and DeepseekV2ForCausalLM models" in reason) is caveat, reason
-    assert on is served, reason
-    if not on:
-        assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in reason
+    clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    line = (versions.release(versions.installed_vllm_version() or "") or (0, 0, 0))[:2]
+    outlook = switch.runner_outlook()
+    if line == (0, 25):
+        assert outlook is not None and "vLLM's V2 model runner (" in outlook and "req_idx" in outlook, outlook
+        assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in outlook
+    elif line in ((0, 20), (0, 33), (0, 34)):
+        assert outlook is None, outlook
 
 
 def test_one_info_line_per_process_and_decision(config, clean_selection, addon_log):

@@ -27,6 +27,7 @@ from mla_prefill_ext.hosts.core.instrumentor import Wrappers
 from mla_prefill_ext.hosts.core.shared_prefix import (
     block_tables,
     layer,
+    needs,
     prompt_rows,
     routing,
     step,
@@ -39,37 +40,40 @@ class SharedPrefixInstrumentor:
     def __init__(self) -> None:
         self.wrappers = Wrappers()
         self.instrumented = False
-        self.routing = False  # short extends routed (the runner's reorder wrapped)
+        self.routing = False  # V1: short extends routed (the runner's reorder wrapped)
         self.prompts = False  # new requests' prompts take lenders' rows (the runner's batch wrapped)
         self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
         self._lock = threading.RLock()
 
+    def _wrap_rows(self, part: str, runner: str) -> str | None:
+        """Wrap what the rows of ``part`` for ``runner`` wrap (all or none): None, or why not."""
+        problems = needs.problems(part, runner)
+        if problems:
+            return "; ".join(problems)
+        table = []
+        for need in needs.rows(part, runner):
+            if need.wraps:
+                module = importlib.import_module(need.module)
+                path, _ = needs.resolve(need, module)
+                table.append((module, path, _WRAPPERS[need.attributes[0]]))
+        return self.wrappers.wrap_each(table)
+
     def instrument(self, mla_module: ModuleType) -> bool:
-        """Wrap vLLM's context path (all or none; idempotent). True when in place."""
+        """Wrap vLLM's context path and the block tables of each runner that has the shape (all of the
+        context path and at least one runner, or none; idempotent). True when in place."""
         with self._lock:
             if self.instrumented:
                 return True
-            try:
-                block_table_module = importlib.import_module(targets.BLOCK_TABLE_MODULE)
-                problem = targets.problem(mla_module, block_table_module)
-            except ImportError as e:
-                problem = f"{targets.BLOCK_TABLE_MODULE} does not import ({e})"
+            problem = self._wrap_rows("plan", needs.ANY)
             if problem is None:
-                problem = self.wrappers.wrap_all(
-                    mla_module,
-                    [
-                        (targets.BUILD, step.after_build),
-                        (targets.context_path(mla_module), layer.compute_prefill_context),
-                    ],
-                )
-            if problem is None:
-                problem = self.wrappers.wrap_all(
-                    block_table_module, [(targets.DEVICE_TENSOR, block_tables.remember_host_twin)]
-                )
-                if problem is not None:
+                for runner in needs.RUNNERS:
+                    block_tables.RUNNER_PROBLEMS[runner] = self._wrap_rows("plan", runner)
+                if all(block_tables.RUNNER_PROBLEMS.values()):
+                    problem = "; ".join(f"{r}: {why}" for r, why in block_tables.RUNNER_PROBLEMS.items())
                     self.wrappers.unwrap_all()
             if problem is not None:
                 self.problem = f"vLLM {versions.installed_vllm_version()}: {problem}"
+                block_tables.RUNNER_PROBLEMS.clear()
                 log_once(
                     logging.INFO,
                     ("shared-prefix-shape", self.problem),
@@ -80,28 +84,27 @@ class SharedPrefixInstrumentor:
                 return False
             self.problem = None
             self.instrumented = True
-        # Routing short extends is an addition the path works without: its own target, its own line.
-        wrapt.register_post_import_hook(self._instrument_runner, targets.RUNNER_MODULE)
+        # Routing short extends on the V1 runner is an addition the path works without: its own line.
+        wrapt.register_post_import_hook(self._instrument_runner, needs.V1_RUNNER_MODULE)
         return True
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
-            if not self.instrumented:
+            if not self.instrumented or block_tables.RUNNER_PROBLEMS.get(needs.V1):
                 return
             self._instrument_prompts(runner_module)
             if self.routing:
                 return
-            problem = targets.routing_problem(runner_module)
-            if problem is None:
-                problem = self.wrappers.wrap_all(
-                    runner_module, [(targets.REORDER, routing.may_reorder_batch)]
-                )
+            try:
+                problem = self._wrap_rows("route", needs.V1)
+            except Exception as e:  # inside vLLM's import of its runner: never let it fail there
+                problem = f"its shape could not be read ({type(e).__name__}: {e})"
             if problem is not None:
                 log_once(
                     logging.INFO,
                     ("shared-prefix-routing", problem),
-                    "MLA shared-prefix prefill (mla-prefill-ext): short extends stay on vLLM's decode path "
-                    "(%s).",
+                    "MLA shared-prefix prefill (mla-prefill-ext): on the V1 model runner, short extends stay "
+                    "on vLLM's decode path (%s).",
                     problem,
                 )
                 return
@@ -141,6 +144,7 @@ class SharedPrefixInstrumentor:
         with self._lock:
             self.wrappers.unwrap_all()
             block_tables.forget()
+            block_tables.RUNNER_PROBLEMS.clear()
             self.instrumented = False
             self.routing = False
             self.prompts = False
@@ -151,6 +155,7 @@ class SharedPrefixInstrumentor:
         return {
             "instrumented": self.instrumented,
             "routing": self.routing,
+            "runners": {r: why for r, why in block_tables.RUNNER_PROBLEMS.items()},  # None: served
             "problem": self.problem,
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
@@ -162,5 +167,14 @@ class SharedPrefixInstrumentor:
             "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks
         }
 
+
+_WRAPPERS = {
+    needs.BUILD: step.after_build,
+    f"{needs.CONTEXT_OWNERS[0]}._compute_prefill_context": layer.compute_prefill_context,
+    needs.DEVICE_TENSOR: block_tables.remember_host_twin,
+    needs.APPEND_BLOCK_IDS: block_tables.mirror_block_ids,
+    needs.REORDER: routing.may_reorder_batch,
+}
+"""The add-on's wrapper for each wrapped row of :data:`.needs.NEEDS` (by its first attribute)."""
 
 INSTRUMENTOR = SharedPrefixInstrumentor()

@@ -91,36 +91,77 @@ def route_cost(
     return absorbed, prefill
 
 
-def step_threshold(input_batch: Any, num_scheduled_tokens: dict[str, int], threshold: int) -> int | None:
-    """1 when this step's short extends are cheaper as shared prefills; None: vLLM's threshold.
+def route_threshold(
+    rows: np.ndarray, ctx: np.ndarray, q: np.ndarray, block_size: int, threshold: int
+) -> int | None:
+    """1 when the step's short extends are cheaper as shared prefills; None: vLLM's threshold.
 
-    ``input_batch``: the runner's ``InputBatch`` (host arrays only); ``num_scheduled_tokens``: the
-    scheduler output's, by request id.
+    Per request of the step, in batch order: ``rows`` its block ids (host), ``ctx`` its cached tokens,
+    ``q`` its new tokens. Short extends: cached context and more than one, at most ``threshold``, new
+    tokens (true decodes have one; speculative decoding, whose decodes have several, is not routed).
     """
-    batch = input_batch
-    n = batch.num_reqs
-    if n < 2:
-        return None
-    scheduled = np.fromiter((num_scheduled_tokens[r] for r in batch.req_ids[:n]), dtype=np.int64, count=n)
-    computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
-    prompt = batch.num_prompt_tokens[:n].astype(np.int64)
-    short = (computed > 0) & (scheduled > 1) & (scheduled <= threshold) & (computed < prompt)
+    short = (ctx > 0) & (q > 1) & (q <= threshold)
     if short.sum() < 2:
         return None
-    table = batch.block_table[0]
-    rows = table.block_table.np[:n][short]
-    ctx, q = computed[short], scheduled[short]
-    groups = find_shared_prefixes(rows, ctx, table.block_size, q, costs.GROUP_VALUE)
+    ctx, q = ctx[short], q[short]
+    groups = find_shared_prefixes(rows[short], ctx, block_size, q, costs.GROUP_VALUE)
     if not groups:
         return None
     shared = np.zeros_like(ctx)
     tokens = []
     for g in groups:
-        t = g.num_blocks * table.block_size
+        t = g.num_blocks * block_size
         shared[list(g.members)] = t
         tokens.append(t)
     absorbed, prefill = route_cost(q, ctx, shared, tokens)
     return 1 if prefill < ROUTE_BELOW * absorbed else None
+
+
+def step_threshold(input_batch: Any, num_scheduled_tokens: dict[str, int], threshold: int) -> int | None:
+    """V1 runner, before it reorders the batch: :func:`route_threshold` from its ``InputBatch`` (host
+    arrays only) and the scheduler output's ``num_scheduled_tokens``, by request id."""
+    batch = input_batch
+    n = batch.num_reqs
+    if n < 2:
+        return None
+    q = np.fromiter((num_scheduled_tokens[r] for r in batch.req_ids[:n]), dtype=np.int64, count=n)
+    ctx = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+    table = batch.block_table[0]
+    return route_threshold(table.block_table.np[:n], ctx, q, table.block_size, threshold)
+
+
+def builder_threshold(builder: Any, common: Any, rows: np.ndarray | None) -> int | None:
+    """V2 runner (vLLM 0.33+), in the builder: :func:`route_threshold` from the step's common metadata.
+
+    The V2 runner already orders a step's requests by their new tokens (decodes, then short extends,
+    then prefills), so a threshold of 1 in the builder's split is all routing takes there; no reorder.
+    ``rows``: the step's host block rows (:func:`.block_tables.host_rows`).
+    """
+    threshold = getattr(builder, "reorder_batch_threshold", None)
+    n = common.num_reqs
+    if rows is None or threshold is None or threshold <= 1 or n < 2 or switch.paused("route"):
+        return None
+    if getattr(builder.vllm_config, "speculative_config", None) is not None:
+        return None
+    seq_lens = getattr(common, "seq_lens_cpu_upper_bound", None)  # exact for prefill rows
+    if seq_lens is None:
+        return None
+    loc = common.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
+    q = loc[1:] - loc[:-1]
+    ctx = seq_lens[:n].numpy().astype(np.int64) - q
+    lowered = route_threshold(rows[:n], ctx, q, builder.kv_cache_spec.block_size, threshold)
+    if lowered is not None:
+        _count_routed()
+    return lowered
+
+
+def _count_routed() -> None:
+    ROUTED[0] += 1
+    if ROUTED[0] == 1:
+        logger.info(
+            "MLA shared-prefix prefill (mla-prefill-ext): a step's short extends that share a cached "
+            "prefix run on the prefill path from now on, where that is cheaper (the first such step)."
+        )
 
 
 def _routing_on(runner: Any) -> bool:
@@ -146,13 +187,8 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     if lowered is None:
         return wrapped(*args, **kwargs)
     _LOCAL.threshold = lowered
-    ROUTED[0] += 1
+    _count_routed()
     SHAPES[-1] = (*SHAPES[-1][:2], True)
-    if ROUTED[0] == 1:
-        logger.info(
-            "MLA shared-prefix prefill (mla-prefill-ext): a step's short extends that share a cached "
-            "prefix run on the prefill path from now on, where that is cheaper (the first such step)."
-        )
     instance.reorder_batch_threshold = lowered
     try:
         return wrapped(*args, **kwargs)
@@ -160,9 +196,8 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
         instance.reorder_batch_threshold = threshold
 
 
-def build_with_step_threshold(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    """The MLA builder's ``build``: split decodes from prefills at this step's threshold."""
-    lowered = getattr(_LOCAL, "threshold", None)
+def build_at_threshold(wrapped: Any, instance: Any, args: Any, kwargs: Any, lowered: int | None) -> Any:
+    """The MLA builder's ``build``, splitting decodes from prefills at ``lowered`` (None: vLLM's own)."""
     threshold = getattr(instance, "reorder_batch_threshold", None)
     if lowered is None or threshold is None or threshold <= lowered:
         return wrapped(*args, **kwargs)

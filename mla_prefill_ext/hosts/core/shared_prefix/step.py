@@ -129,20 +129,36 @@ def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
 
 def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
-    metadata = routing.build_with_step_threshold(wrapped, instance, args, kwargs)
     state = _state(instance)
-    if not state.decision.on or switch.paused("plan"):
+    common = _arg(args, kwargs, "common_attn_metadata", 1)
+    on = state.decision.on and not switch.paused("plan")
+    rows, lowered = None, routing.current_threshold()  # the V1 runner's reorder decided it
+    if on and state.usable:
+        try:
+            rows = block_tables.host_rows(common)
+            if lowered is None and rows is not None and getattr(common, "req_idx", None) is not None:
+                lowered = routing.builder_threshold(instance, common, rows)  # the V2 runner: here
+        except Exception:
+            rows, lowered = None, None  # vLLM's own split and context path for this step
+            if first_time("shared-prefix-rows-failed"):
+                logger.exception(
+                    "mla-prefill-ext: reading the step's block rows failed; this step (and any other "
+                    "that fails the same way) runs vLLM's own split and context path"
+                )
+    metadata = routing.build_at_threshold(wrapped, instance, args, kwargs, lowered)
+    if not on:
         return metadata
     if state.usable is None:
         state.usable = _backends_accept(instance)
         if state.usable:
             _make_segment_instances(instance, state)
             routing.mark_usable()  # short extends may be routed here from now on (routing.py)
+            rows = block_tables.host_rows(common)
     prefill = getattr(metadata, "prefill", None)
     if not state.usable or prefill is None or getattr(prefill, "chunked_context", None) is None:
         return metadata
     try:
-        plan_step(instance, metadata, prefill, _arg(args, kwargs, "common_attn_metadata", 1), state)
+        plan_step(instance, metadata, prefill, common, rows, state)
     except Exception:
         # A fault of the add-on's planning must not stop the engine: this step runs vLLM's own
         # context path, and the log says so with the traceback (once per process).
@@ -155,13 +171,17 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     return metadata
 
 
-def plan_step(builder: Any, metadata: Any, prefill: Any, common: Any, state: _BuilderState) -> None:
-    """Plan the step; attach the plan and prepare both instances when it has shared segments."""
+def plan_step(
+    builder: Any, metadata: Any, prefill: Any, common: Any, rows: Any, state: _BuilderState
+) -> None:
+    """Plan the step; attach the plan and prepare both instances when it has shared segments.
+
+    ``rows``: the step's host block rows (:func:`.block_tables.host_rows`; None: not known here).
+    """
     import torch
 
     if prefill.q_data_type not in (torch.bfloat16, torch.float16, torch.float32):
         return  # FP8 prefill queries: vLLM's path
-    rows = block_tables.host_rows(common.block_table_tensor)
     seq_lens = getattr(common, "seq_lens_cpu_upper_bound", None)
     if rows is None or seq_lens is None:
         log_once(

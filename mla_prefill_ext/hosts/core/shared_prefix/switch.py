@@ -4,9 +4,9 @@ On by default. ``MLA_PREFILL_SHARED_PREFIX=0`` (or ``additional_config["mla_pref
 false) turns it off. Excluded for now, each with its reason: an FP8 KV cache (vLLM gathers it
 without dequantizing, the path up-projects bf16 rows), decode context parallelism (each rank
 holds part of the context), prefill context parallelism, dual-batch overlap (two micro-batches
-split one step's requests; the path plans a whole step), and vLLM's V2 model runner (it keeps the
-block tables on the GPU only, where the path reads the step's host copy; vLLM 0.33's default for every
-model, 0.25's for ``DeepseekV2ForCausalLM`` and dense models, not for DeepSeek-V3/R1's MoE there).
+split one step's requests; the path plans a whole step), and a model runner whose block tables the path
+cannot read (:mod:`.needs`: the V1 runner's host table, the V2 runner's writes from vLLM 0.33, whose
+builders learn each row's request).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables
 from mla_prefill_ext.settings import shared_prefix_setting
 
 
@@ -37,36 +38,39 @@ def uses_v2_model_runner(vllm_config: Any) -> bool:
     return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
 
 
-# vLLM 0.33 picks the V2 runner for every model by default; 0.25 by model (the lines between: not read).
-V2_DEFAULT_FOR_EVERY_MODEL = (0, 33)
-V2_OFF = "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner, where it runs"
+def runner_of(vllm_config: Any) -> str:
+    """``"V2"`` or ``"V1"``: the model runner this engine's workers run."""
+    return "V2" if uses_v2_model_runner(vllm_config) else "V1"
 
 
-def runner_outlook(vllm_version: str | None) -> tuple[bool, str]:
-    """Without an engine (``info``): whether engines here will run a model runner the path serves.
+def _runner_remedy(runner: str) -> str:
+    """What a user can do where the path cannot read ``runner``'s block tables: the other runner, where
+    this vLLM has it and the path reads it (0.34 has no V1 runner: no such advice there)."""
+    other = "V1" if runner == "V2" else "V2"
+    if block_tables.RUNNER_PROBLEMS.get(other, "") is None:
+        return f"; VLLM_USE_V2_MODEL_RUNNER={1 if other == 'V2' else 0} selects the {other} runner, where it runs"
+    return ""
 
-    ``(True, caveat)`` where the V1 runner is the default or chosen (the caveat says when vLLM still
-    picks V2), ``(False, reason)`` where the V2 runner is chosen or vLLM's default for every model.
-    """
+
+def runner_problem(runner: str) -> str | None:
+    """Why the path cannot serve an engine on ``runner`` here (None: it can)."""
+    if not block_tables.RUNNER_PROBLEMS:
+        return None  # not instrumented: the path is off for a reason of its own, said elsewhere
+    why = block_tables.RUNNER_PROBLEMS.get(runner, "not known to the add-on")
+    if why is None:
+        return None
+    return f"it cannot read the block tables of vLLM's {runner} model runner ({why}){_runner_remedy(runner)}"
+
+
+def runner_outlook() -> str | None:
+    """Without an engine (``info``): why engines here would not be served by their default runner
+    (None: they would be, on either runner vLLM may pick; the instrumentor's outcome per runner)."""
     from vllm import envs
 
-    from mla_prefill_ext import versions
-
     chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
-    line = versions.release(vllm_version or "") or (0, 0, 0)
-    if chosen is True:
-        return False, f"VLLM_USE_V2_MODEL_RUNNER=1 picks vLLM's V2 model runner, not served yet ({V2_OFF})"
-    if chosen is False:  # chosen (0.25+: None when unset), or vLLM's default before 0.25
-        return True, ""
-    if line[:2] >= V2_DEFAULT_FOR_EVERY_MODEL:
-        return False, (
-            f"vLLM {line[0]}.{line[1]} runs every model on its V2 model runner by default, "
-            f"not served yet ({V2_OFF})"
-        )
-    return True, (
-        "; not where vLLM runs its V2 model runner (vLLM 0.25 picks it for dense and DeepseekV2ForCausalLM "
-        f"models, not for DeepSeek-V3/R1; {V2_OFF})"
-    )
+    runners = {True: ["V2"], False: ["V1"]}.get(chosen, list(block_tables.RUNNER_PROBLEMS))
+    unserved = [why for why in map(runner_problem, runners) if why]
+    return "; ".join(unserved) or None
 
 
 def exclusions(vllm_config: Any) -> list[str]:
@@ -83,11 +87,9 @@ def exclusions(vllm_config: Any) -> list[str]:
         reasons.append("prefill context parallelism is on (not served yet)")
     if getattr(parallel, "enable_dbo", False) or getattr(parallel, "use_ubatching", False):
         reasons.append("dual-batch overlap (micro-batching) is on (not served yet)")
-    if uses_v2_model_runner(vllm_config):
-        reasons.append(
-            "vLLM's V2 model runner runs this engine (its block tables are on the GPU only; "
-            f"not served yet: {V2_OFF})"
-        )
+    runner = runner_problem(runner_of(vllm_config))
+    if runner:
+        reasons.append(runner)
     return reasons
 
 

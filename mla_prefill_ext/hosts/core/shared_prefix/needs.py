@@ -1,0 +1,219 @@
+"""Every vLLM internal the shared-prefix path reads, declared once: the part that reads it, the model
+runner whose code it is, the module and attribute, and what is checked.
+
+The instrumentor wraps a part only where its rows hold (:func:`problems`); ``info`` prints each row's
+outcome (:func:`outcomes`). Each check is of behaviour a test can break: a signature, a dataclass's
+fields, a callable; what the path relies on beyond that (the same blocks, hashes, outputs as vLLM's)
+is checked against vLLM's own code in the tests, through vLLM's real classes. A row that does not hold
+turns its part off with one line naming the row: nothing is guessed.
+
+Runners: ``any`` (the MLA layer's code, whichever runner builds the step), ``V1`` (``vllm.v1.worker``,
+vLLM up to 0.33), ``V2`` (``vllm.v1.worker.gpu``, the only runner of 0.34 and 0.33's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from mla_prefill_ext.mla_layers import MLA_MODULE
+
+ANY, V1, V2 = "any", "V1", "V2"
+RUNNERS = (V1, V2)
+
+ATTENTION_MODULE = "vllm.v1.attention.backend"  # CommonAttentionMetadata (0.20.2-0.34.0)
+V1_BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
+V2_BLOCK_TABLE_MODULE = "vllm.v1.worker.gpu.block_table"
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+CONTEXT_OWNERS = ("MLACommonBaseImpl", "MLACommonImpl")  # 0.29+ moved the context loop to the base
+BUILD = "MLACommonMetadataBuilder.build"
+DEVICE_TENSOR = "BlockTable.get_device_tensor"
+APPEND_BLOCK_IDS = "BlockTables.append_block_ids"
+REORDER = "GPUModelRunner._may_reorder_batch"
+
+
+def takes(*names: str) -> Callable[[Any], str | None]:
+    def check(obj: Any) -> str | None:
+        params = list(inspect.signature(obj).parameters)
+        missing = [n for n in names if n not in params]
+        return f"lacks parameters {missing}" if missing else None
+
+    return check
+
+
+def has_fields(*names: str) -> Callable[[Any], str | None]:
+    def check(obj: Any) -> str | None:
+        if not dataclasses.is_dataclass(obj):
+            return "is not a dataclass"
+        missing = sorted(set(names) - {f.name for f in dataclasses.fields(obj)})
+        return f"lacks fields {missing}" if missing else None
+
+    return check
+
+
+def is_callable(obj: Any) -> str | None:
+    return None if callable(obj) else "is not callable"
+
+
+class Need(NamedTuple):
+    part: str  # the path's part that reads it: "plan" (the step's plan and each layer) or "route"
+    runner: str  # ANY, V1 or V2
+    module: str
+    attributes: tuple[str, ...]  # dotted in the module; the first defined one is read (versions differ)
+    what: str  # what is checked, in words
+    check: Callable[[Any], str | None]  # the attribute -> why it does not do (None: it does)
+    wraps: bool = False  # the path wraps it: then it must be defined on that class, not inherited
+
+
+NEEDS: tuple[Need, ...] = (
+    Need(
+        "plan",
+        ANY,
+        MLA_MODULE,
+        (BUILD,),
+        "the metadata builder's build(common_prefix_len, common_attn_metadata): wrapped, the step planned after it",
+        takes("common_prefix_len", "common_attn_metadata"),
+        True,
+    ),
+    Need(
+        "plan",
+        ANY,
+        MLA_MODULE,
+        tuple(f"{owner}._compute_prefill_context" for owner in CONTEXT_OWNERS),
+        "the context loop (q, kv_c_and_k_pe_cache, attn_metadata, k_scale): wrapped, replaced in planned steps",
+        takes("q", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale"),
+        True,
+    ),
+    Need(
+        "plan",
+        ANY,
+        MLA_MODULE,
+        ("MLACommonPrefillMetadata",),
+        "prefill metadata fields block_table, chunked_context, query_start_loc, q_data_type",
+        has_fields("block_table", "chunked_context", "query_start_loc", "q_data_type"),
+    ),
+    Need(
+        "plan",
+        ANY,
+        MLA_MODULE,
+        ("MLACommonImpl._concat_k_nope_k_pe",),
+        "the impl's K concatenation, called for the shared segments",
+        is_callable,
+    ),
+    Need(
+        "plan",
+        ANY,
+        MLA_MODULE,
+        ("merge_attn_states",),
+        "vLLM's LSE merge, called for the shared segments",
+        is_callable,
+    ),
+    Need(
+        "plan",
+        ANY,
+        "vllm._custom_ops",
+        ("gather_and_maybe_dequant_cache",),
+        "vLLM's latent gather, called for the shared segments",
+        is_callable,
+    ),
+    Need(
+        "plan",
+        ANY,
+        ATTENTION_MODULE,
+        ("CommonAttentionMetadata",),
+        "step fields num_reqs, query_start_loc_cpu, seq_lens_cpu_upper_bound, block_table_tensor",
+        has_fields("num_reqs", "query_start_loc_cpu", "seq_lens_cpu_upper_bound", "block_table_tensor"),
+    ),
+    Need(
+        "plan",
+        V1,
+        V1_BLOCK_TABLE_MODULE,
+        (DEVICE_TENSOR,),
+        "get_device_tensor(num_reqs): wrapped, its host twin noted",
+        takes("num_reqs"),
+        True,
+    ),
+    Need(
+        "plan",
+        V2,
+        V2_BLOCK_TABLE_MODULE,
+        (APPEND_BLOCK_IDS,),
+        "append_block_ids(req_index, new_block_ids, overwrite): wrapped, the ids mirrored on the host",
+        takes("req_index", "new_block_ids", "overwrite"),
+        True,
+    ),
+    Need(
+        "plan",
+        V2,
+        ATTENTION_MODULE,
+        ("CommonAttentionMetadata",),
+        "step field req_idx: each row's request in the runner (vLLM 0.33+)",
+        has_fields("req_idx"),
+    ),
+    Need(
+        "route",
+        V1,
+        V1_RUNNER_MODULE,
+        (REORDER,),
+        "_may_reorder_batch(scheduler_output): wrapped, the step's decode threshold lowered when routed",
+        takes("scheduler_output"),
+        True,
+    ),
+)
+"""The table. On the V2 runner routing needs nothing of its own: the runner orders short extends before
+prefills already, and the builder's split (its ``build``, above) takes the lowered threshold."""
+
+
+def resolve(need: Need, module: Any) -> tuple[str, Any]:
+    """(the attribute's path, the object) of the first of ``need.attributes`` defined in ``module``.
+
+    A method the path wraps must be defined on the class itself (a wrapper on an inherited one would land
+    on the base class, for every subclass).
+    """
+    for path in need.attributes:
+        obj: Any = module
+        parts = path.split(".")
+        for i, name in enumerate(parts):
+            owner = obj
+            if need.wraps and i == len(parts) - 1 and inspect.isclass(owner) and name not in owner.__dict__:
+                obj = None
+                break
+            obj = getattr(owner, name, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return path, getattr(obj, "__wrapped__", obj)
+    raise LookupError(f"{need.module}.{' or '.join(need.attributes)} not found")
+
+
+def outcome(need: Need) -> str | None:
+    """Why ``need`` does not hold in this vLLM (None: it does)."""
+    try:
+        module = importlib.import_module(need.module)
+    except Exception as e:  # a vLLM without that module, or one that fails to import it
+        return f"{need.module} does not import ({type(e).__name__}: {e})"
+    try:
+        path, obj = resolve(need, module)
+        why = need.check(obj)
+    except (LookupError, TypeError, ValueError) as e:
+        return str(e)
+    return None if why is None else f"{need.module}.{path} {why}"
+
+
+def rows(part: str, runner: str) -> list[Need]:
+    """The rows of ``part`` for ``runner`` (ANY: those every runner needs)."""
+    return [n for n in NEEDS if n.part == part and n.runner == runner]
+
+
+def problems(part: str, runner: str) -> list[str]:
+    """Why the rows of ``part`` for ``runner`` do not hold here (empty: they all do)."""
+    return [why for why in map(outcome, rows(part, runner)) if why is not None]
+
+
+def outcomes(needs: Iterable[Need] = NEEDS) -> list[tuple[Need, str | None]]:
+    """Each row with its outcome (for ``info``)."""
+    return [(n, outcome(n)) for n in needs]
