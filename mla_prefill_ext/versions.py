@@ -50,7 +50,7 @@ MODES: tuple[Mode, ...] = (
     Mode(BRIDGE, (0, 23, 0), None, "the add-on's backends join vLLM's own MLA prefill registry"),
 )
 
-TESTED = ("0.20.2", "0.25.1", "0.33.0")
+TESTED = ("0.20.2", "0.25.1", "0.33.0", "0.34.0")
 """The releases the test matrix runs against (noxfile.py reads them from here)."""
 
 DEV_TESTED = TESTED[0]
