@@ -71,7 +71,8 @@ def _skip_other_modes(items: list[pytest.Item]) -> None:
 def flash_attn_kernels() -> None:
     """Skips a test whose expectations need FLASH_ATTN's kernel module to import here.
 
-    On a CPU box vLLM 0.20.2's wheel has one that imports; 0.25.1's and 0.33.0's need CUDA libraries.
+    On a CPU box vLLM 0.20.2's wheel has one that imports; 0.25.1's, 0.33.0's and 0.34.0's need CUDA
+    libraries.
     """
     from mla_prefill_ext.backends.flash_attn import FlashAttnPrefillBackend
 

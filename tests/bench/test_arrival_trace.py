@@ -72,6 +72,7 @@ def test_the_engine_core_stamps_a_request_ready_and_taken(traced_core, core_conf
     assert core.EngineCoreProc is traced and "preprocess_add_request" in traced.__dict__
     proc = object.__new__(traced)
     proc.vllm_config, proc.scheduler, proc.request_block_hasher = config, scheduler, None
+    proc.prefix_hash_config = None  # vLLM 0.34+: read for frontend-computed hashes (None: the engine hashes)
     proc.mm_receiver_cache = None
     proc.shutdown_state = core.EngineShutdownState.RUNNING
     proc.reject_new_requests = False  # vLLM 0.33: not paused

@@ -1,7 +1,7 @@
 """``info`` on vLLM 0.23+: vLLM's own pick explained in words, and nothing of the add-on when it is off.
 
 The rendering tests run everywhere; the ``vllm_bridge`` ones run ``info`` on the bridged vLLM of the
-environment (0.25.1, 0.33.0).
+environment (0.25.1, 0.33.0, 0.34.0).
 """
 
 from __future__ import annotations

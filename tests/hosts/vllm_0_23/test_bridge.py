@@ -1,6 +1,6 @@
 """The bridge on the installed vLLM 0.23+: selection through vLLM's own selector and registry.
 
-Runs against the real vLLM of the environment (0.25.1 and 0.33.0 in the test matrix);
+Runs against the real vLLM of the environment (0.25.1, 0.33.0 and 0.34.0 in the test matrix);
 skipped on vLLM 0.20, where the patch serves. Only the device facts a test needs are
 patched (``host.gpu_view``), and vLLM's own classes stay real.
 """

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm_bridge
 EXPECTED = {
     "0.25.1": (shape.CHUNK_BY_INDEX, shape.DIMS_LIST, False, True, True),
     "0.33.0": (shape.CHUNK_OBJECT, shape.DIMS_LIST, True, False, True),
+    "0.34.0": (shape.CHUNK_OBJECT, shape.DIMS_LIST, True, False, True),
 }
 
 
