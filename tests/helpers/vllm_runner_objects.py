@@ -75,6 +75,21 @@ def runner_block_table(
     return table.get_device_tensor(len(rows)), None
 
 
+@contextlib.contextmanager
+def v2_on_cpu() -> Iterator[None]:
+    """The platform lookups the V2 runner's buffers make that a CPU-only vLLM answers for no machine:
+    UVA and pinned memory off (its explicit-copy buffers instead), the device type ``cpu``."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import buffer_utils
+
+    with (
+        mock.patch.object(buffer_utils, "is_uva_available", lambda: False),
+        mock.patch.object(buffer_utils, "is_pin_memory_available", lambda: False),
+        mock.patch.object(type(current_platform), "device_type", "cpu"),
+    ):
+        yield
+
+
 def v2_tables(block_size: int, max_num_reqs: int = 8, max_blocks: int = 8) -> Any:
     """The V2 runner's ``BlockTables`` (vLLM 0.33+) on the CPU, one KV cache group."""
     from vllm.v1.worker.gpu.block_table import BlockTables
@@ -86,7 +101,26 @@ def v2_tables(block_size: int, max_num_reqs: int = 8, max_blocks: int = 8) -> An
         max_num_blocks_per_group=[max_blocks],
         device=torch.device("cpu"),
     )
-    return BlockTables(**accepted(BlockTables, **kwargs))
+    with v2_on_cpu():
+        return BlockTables(**accepted(BlockTables, **kwargs))
+
+
+def v2_apply(tables: Any) -> None:
+    """What ``BlockTables.apply_staged_writes`` does, for one KV cache group. vLLM applies the writes it
+    staged (row, first column, ids; per ``append_block_ids``) with a Triton kernel, which needs a GPU: the
+    same writes, read from what vLLM staged, in torch."""
+    table = tables.block_tables[0]
+    chunks = table._staged_chunks() if hasattr(table, "_staged_chunks") else [table._staged_write_contents]
+    contents = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks]) if chunks else np.zeros(0)
+    done = 0
+    for row, start, end in zip(
+        table._staged_write_indices, table._staged_write_starts, table._staged_write_cu_lens, strict=True
+    ):
+        table.gpu[row, int(start) : int(start) + end - done] = torch.as_tensor(contents[done:end])
+        done = end
+    table.clear_staged_writes()
+    with v2_on_cpu():
+        tables.num_blocks.copy_to_uva()
 
 
 def v2_gather(tables: Any, req_idx: np.ndarray) -> torch.Tensor:
@@ -109,7 +143,7 @@ def v2_block_tables(rows: Sequence[Sequence[int]], block_size: int) -> tuple[tor
     req_idx = np.array([(5 + 3 * i) % 8 for i in range(len(rows))], dtype=np.int32)
     for req, row in zip(req_idx, rows, strict=True):
         tables.append_block_ids(int(req), (list(row),), True)
-    tables.apply_staged_writes()
+    v2_apply(tables)
     return v2_gather(tables, req_idx), req_idx
 
 

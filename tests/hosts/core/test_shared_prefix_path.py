@@ -28,7 +28,7 @@ from mla_layer_on_cpu import (
     make_builder,
     recording,
 )
-from vllm_runner_objects import runner_block_table, runner_input_batch, v2_gather, v2_tables
+from vllm_runner_objects import runner_block_table, runner_input_batch, v2_apply, v2_gather, v2_tables
 
 from mla_prefill_ext import versions
 from mla_prefill_ext.testing import vllm_host as host
@@ -301,49 +301,76 @@ def _input_batch(requests: list[tuple[list[int], int, int]]) -> Any:
     return runner_input_batch(requests, BS)
 
 
-def _short_extends(prefix_blocks: int, new: int, count: int, shared: bool) -> tuple[Any, dict[str, int]]:
-    requests, scheduled = [], {}
+def _short_extends(
+    prefix_blocks: int, new: int, count: int, shared: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A step of ``count`` short extends of ``new`` tokens each over ``prefix_blocks`` cached blocks
+    (the same blocks, or each its own) and 8 blocks of their own: (host rows, cached tokens, new tokens)."""
+    rows, ctx, q = [], [], []
     for i in range(count):
-        first = 1 if shared else 1 + i * (prefix_blocks + 4)
-        prefix = list(range(first, first + prefix_blocks))
-        own = list(range(1000 + 4 * i, 1004 + 4 * i))
-        requests.append((prefix + own, prefix_blocks * BS, prefix_blocks * BS + new))
-        scheduled[f"r{i}"] = new
-    return _input_batch(requests), scheduled
+        first = 1 if shared else 1 + i * prefix_blocks
+        rows.append(list(range(first, first + prefix_blocks)) + list(range(100000 + 8 * i, 100008 + 8 * i)))
+        ctx.append(prefix_blocks * BS)
+        q.append(new)
+    return np.array(rows, dtype=np.int32), np.array(ctx), np.array(q)
+
+
+def _route(rows: np.ndarray, ctx: np.ndarray, q: np.ndarray) -> int | None:
+    from mla_prefill_ext.hosts.core.shared_prefix import routing
+
+    return routing.route_threshold(rows, ctx, q, BS, 512)
 
 
 @pytest.mark.parametrize("new", [64, 128, 512])
 def test_short_extends_sharing_a_long_prefix_are_routed_to_the_prefill_path(activated, new):
-    from mla_prefill_ext.hosts.core.shared_prefix import routing
-
-    batch, scheduled = _short_extends(prefix_blocks=256, new=new, count=16, shared=True)  # 4,096 shared
-    assert routing.step_threshold(batch, scheduled, 512) == 1
+    assert _route(*_short_extends(prefix_blocks=256, new=new, count=16, shared=True)) == 1  # 4,096 shared
 
 
 def test_very_short_extends_over_a_shared_prefix_stay_where_the_h200_found_no_gain(activated):
     """16 x 32 new tokens: the prefix's one up-projection costs about what absorbed attention saves (one
     R1 layer on the H200: 1.06x; routing.H200_TFLOPS), so the step stays on vLLM's decode path."""
-    from mla_prefill_ext.hosts.core.shared_prefix import routing
-
-    batch, scheduled = _short_extends(prefix_blocks=256, new=32, count=16, shared=True)
-    assert routing.step_threshold(batch, scheduled, 512) is None
+    assert _route(*_short_extends(prefix_blocks=256, new=32, count=16, shared=True)) is None
 
 
 @pytest.mark.parametrize("new", [32, 512])
 def test_short_extends_with_private_contexts_stay_where_vllm_puts_them(activated, new):
-    from mla_prefill_ext.hosts.core.shared_prefix import routing
-
-    batch, scheduled = _short_extends(prefix_blocks=256, new=new, count=16, shared=False)
-    assert routing.step_threshold(batch, scheduled, 512) is None
+    assert _route(*_short_extends(prefix_blocks=256, new=new, count=16, shared=False)) is None
 
 
 def test_a_few_short_queries_over_a_small_shared_prefix_stay_on_the_decode_path(activated):
     """Two requests, 8 new tokens each over 2 shared blocks: absorbed attention is cheaper there."""
     from mla_prefill_ext.hosts.core.shared_prefix import routing
 
-    batch, scheduled = _short_extends(prefix_blocks=2, new=8, count=2, shared=True)
     absorbed, prefill = routing.route_cost(np.array([8, 8]), np.array([32, 32]), np.array([32, 32]), [32])
     assert prefill > routing.ROUTE_BELOW * absorbed
+    assert _route(*_short_extends(prefix_blocks=2, new=8, count=2, shared=True)) is None
+
+
+def test_true_decodes_and_prefills_in_the_step_are_not_what_routing_weighs(activated):
+    """One-token decodes and long prefills beside the short extends change nothing: routing weighs the
+    short extends only (the same 16 x 128 step, routed, with both kinds around it)."""
+    rows, ctx, q = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
+    rows = np.concatenate([rows[:2], rows])
+    ctx = np.concatenate([[4096, 4096], ctx])
+    q = np.concatenate([[1, 1], q])
+    assert _route(rows, ctx, q) == 1
+    q_long = q.copy()
+    q_long[2:] = 600  # above the threshold: prefills already, nothing to route
+    assert _route(rows, ctx, q_long) is None
+
+
+def test_the_v1_runner_reads_the_same_step_from_its_input_batch(activated):
+    """V1 runner: ``step_threshold`` takes the rows, cached and new tokens from vLLM's real ``InputBatch``."""
+    from mla_prefill_ext.hosts.core.shared_prefix import needs, routing
+
+    if needs.problems("route", "V1") or needs.problems("plan", "V1"):
+        pytest.skip("this vLLM has no V1 runner the path routes on")
+    rows, ctx, q = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
+    batch = _input_batch([(list(r), int(c), int(c + n)) for r, c, n in zip(rows, ctx, q, strict=True)])
+    scheduled = {f"r{i}": int(n) for i, n in enumerate(q)}
+    assert routing.step_threshold(batch, scheduled, 512) == 1
+    private = _short_extends(prefix_blocks=256, new=128, count=16, shared=False)
+    batch = _input_batch([(list(r), int(c), int(c + n)) for r, c, n in zip(*private, strict=True)])
     assert routing.step_threshold(batch, scheduled, 512) is None
 
 
@@ -428,14 +455,8 @@ def test_a_failure_while_planning_leaves_vllms_own_step(activated, model_dirs, s
 
 def test_short_extends_with_private_contexts_behind_one_shared_header_stay_put(activated):
     """One common 16-token block (a chat template) is not worth a segment: no routing either."""
-    from mla_prefill_ext.hosts.core.shared_prefix import routing
-
-    requests, scheduled = [], {}
-    for i in range(16):
-        private = list(range(100 + 300 * i, 100 + 300 * i + 256))
-        requests.append(([1, *private], 257 * BS, 257 * BS + 256))
-        scheduled[f"r{i}"] = 256
-    assert routing.step_threshold(_input_batch(requests), scheduled, 512) is None
+    rows = np.array([[1, *range(100 + 300 * i, 100 + 300 * i + 256)] for i in range(16)], dtype=np.int32)
+    assert _route(rows, np.full(16, 257 * BS), np.full(16, 256)) is None
 
 
 def test_the_host_block_table_is_found_for_the_runners_device_view_only(activated, runner):
@@ -473,7 +494,7 @@ def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_comin
         tables.append_block_ids(req, (new,), overwrite)
         live[req] = count + len(new)
         if rng.random() < 0.5:
-            tables.apply_staged_writes()
+            v2_apply(tables)
             step = np.array(sorted(live, key=lambda r: rng.random()), dtype=np.int32)
             device = v2_gather(tables, step)
             common = host.prefill_batch([1] * len(step), [1] * len(step), device, BS, req_idx=step)
@@ -494,19 +515,38 @@ def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshol
 
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from mla_prefill_ext.hosts.core.shared_prefix import routing
+    from mla_prefill_ext.hosts.core.shared_prefix import block_tables, needs, routing
 
     path = _path()
     if not path.instrumented:
         pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
+    layer = build_layer(cfg, None)
     paused_parts(["plan"])
-    result = run_step(cfg, build_layer(cfg, None), activated)
+    result = run_step(cfg, layer, activated)
     assert result["shared"] is None
     assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
     assert result["error"] <= TOLERANCE, result
 
-    batch, scheduled = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
+    rows, ctx, q = _short_extends(prefix_blocks=256, new=128, count=16, shared=True)
+    if not needs.problems("plan", "V2"):  # V2: the builder decides, from its step's metadata
+        builder = make_builder(cfg, [layer], None)
+        builder.reorder_batch_threshold = 512
+        tables = v2_tables(BS, max_num_reqs=16, max_blocks=rows.shape[1])
+        req_idx = np.arange(16, dtype=np.int32)[::-1].copy()
+        for r, row in zip(req_idx, rows, strict=True):
+            tables.append_block_ids(int(r), (row.tolist(),), True)
+        v2_apply(tables)
+        common = host.prefill_batch(q.tolist(), ctx.tolist(), v2_gather(tables, req_idx), BS, req_idx=req_idx)
+        decided = []
+        for parts in ((), ["route"], ["plan"]):
+            paused_parts(parts)
+            decided.append(routing.builder_threshold(builder, common, block_tables.host_rows(common)))
+        assert decided == [1, None, None]
+    if needs.problems("plan", "V1") or needs.problems("route", "V1"):
+        return  # no V1 runner here
+    batch = _input_batch([(list(r), int(c), int(c + n)) for r, c, n in zip(rows, ctx, q, strict=True)])
+    scheduled = {f"r{i}": int(n) for i, n in enumerate(q)}
     runner = types.SimpleNamespace(reorder_batch_threshold=512, input_batch=batch, _mla_shared_routing=True)
     seen = []
 

@@ -8,9 +8,9 @@ vLLM hands it a device tensor; how the host copy is had depends on the model run
   on ``get_device_tensor`` remembers, by the device buffer's address, which host array it was filled from.
 * V2 runner (``vllm.v1.worker.gpu.block_table.BlockTables``, vLLM 0.33+): the tables live on the GPU
   only, written through staged writes. Every block id enters through ``append_block_ids(req_index,
-  new_block_ids, overwrite)``: the wrapper writes the same ids into a host mirror of its own (:class:`Mirror`),
-  and remembers the address of each group's gathered table (``input_block_tables``), the tensor the
-  builder gets. The builder's metadata says which runner row each batch row is (``req_idx``).
+  new_block_ids, overwrite)``: the wrapper writes the same ids into a host mirror of its own
+  (:class:`Mirror`), and remembers the address of each group's gathered table (``input_block_tables``),
+  the tensor the builder gets. The builder's metadata says which runner row each batch row is (``req_idx``).
 
 Either way :func:`host_rows` gives the step's rows in batch order, or None when the device tensor is not
 one of those remembered (then the step runs vLLM's own context path).

@@ -28,6 +28,7 @@ ATTENTION_MODULE = "vllm.v1.attention.backend"  # CommonAttentionMetadata (0.20.
 V1_BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 V2_BLOCK_TABLE_MODULE = "vllm.v1.worker.gpu.block_table"
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+RUNNER_MODULES = {V1: V1_RUNNER_MODULE, V2: "vllm.v1.worker.gpu.model_runner"}
 
 CONTEXT_OWNERS = ("MLACommonBaseImpl", "MLACommonImpl")  # 0.29+ moved the context loop to the base
 BUILD = "MLACommonMetadataBuilder.build"
@@ -75,7 +76,7 @@ NEEDS: tuple[Need, ...] = (
         ANY,
         MLA_MODULE,
         (BUILD,),
-        "the metadata builder's build(common_prefix_len, common_attn_metadata): wrapped, the step planned after it",
+        "the builder's build(common_prefix_len, common_attn_metadata): wrapped, the step planned after it",
         takes("common_prefix_len", "common_attn_metadata"),
         True,
     ),
@@ -84,7 +85,7 @@ NEEDS: tuple[Need, ...] = (
         ANY,
         MLA_MODULE,
         tuple(f"{owner}._compute_prefill_context" for owner in CONTEXT_OWNERS),
-        "the context loop (q, kv_c_and_k_pe_cache, attn_metadata, k_scale): wrapped, replaced in planned steps",
+        "the context loop (q, kv_c_and_k_pe_cache, attn_metadata, k_scale): wrapped, replaced when planned",
         takes("q", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale"),
         True,
     ),
@@ -212,6 +213,15 @@ def rows(part: str, runner: str) -> list[Need]:
 def problems(part: str, runner: str) -> list[str]:
     """Why the rows of ``part`` for ``runner`` do not hold here (empty: they all do)."""
     return [why for why in map(outcome, rows(part, runner)) if why is not None]
+
+
+def runners_here() -> list[str]:
+    """The model runners this vLLM has (0.34: V2 only), found without importing them."""
+    import importlib.util
+
+    return [
+        runner for runner, module in RUNNER_MODULES.items() if importlib.util.find_spec(module) is not None
+    ]
 
 
 def outcomes(needs: Iterable[Need] = NEEDS) -> list[tuple[Need, str | None]]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, needs
 from mla_prefill_ext.settings import shared_prefix_setting
 
 
@@ -28,11 +28,13 @@ class PathDecision(NamedTuple):
 def uses_v2_model_runner(vllm_config: Any) -> bool:
     """Whether this engine's workers run vLLM's V2 model runner (``vllm/v1/worker/gpu/``).
 
-    vLLM 0.25+ decides it in ``VllmConfig.use_v2_model_runner`` (the environment, then the model);
-    before, only ``VLLM_USE_V2_MODEL_RUNNER=1`` picks it.
+    vLLM 0.25-0.33 decide it in ``VllmConfig.use_v2_model_runner`` (the environment, then the model);
+    before, only ``VLLM_USE_V2_MODEL_RUNNER=1`` picks it; 0.34 has no other runner (no V1 runner module).
     """
     if "use_v2_model_runner" in dir(type(vllm_config)):
         return bool(vllm_config.use_v2_model_runner)
+    if needs.V1 not in needs.runners_here():
+        return True
     from vllm import envs
 
     return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
@@ -48,7 +50,8 @@ def _runner_remedy(runner: str) -> str:
     this vLLM has it and the path reads it (0.34 has no V1 runner: no such advice there)."""
     other = "V1" if runner == "V2" else "V2"
     if block_tables.RUNNER_PROBLEMS.get(other, "") is None:
-        return f"; VLLM_USE_V2_MODEL_RUNNER={1 if other == 'V2' else 0} selects the {other} runner, where it runs"
+        value = 1 if other == "V2" else 0
+        return f"; VLLM_USE_V2_MODEL_RUNNER={value} selects the {other} runner, where it runs"
     return ""
 
 
@@ -68,7 +71,9 @@ def runner_outlook() -> str | None:
     from vllm import envs
 
     chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
-    runners = {True: ["V2"], False: ["V1"]}.get(chosen, list(block_tables.RUNNER_PROBLEMS))
+    runners = {True: ["V2"], False: ["V1"]}.get(chosen, needs.runners_here())
+    if needs.V1 not in needs.runners_here():
+        runners = [needs.V2]  # 0.34: the variable no longer chooses
     unserved = [why for why in map(runner_problem, runners) if why]
     return "; ".join(unserved) or None
 
