@@ -368,11 +368,12 @@ def test_the_cycle_check_reads_the_scripts_as_python_does():
         "scripts.bench.b": "def f():\n    from .a import x\n",
     }
     assert import_cycles(import_graph(sources)) == [["scripts.bench.a", "scripts.bench.b", "scripts.bench.a"]]
-    assert {"scripts.bench.__main__", "scripts.gpu_harness.scenarios"} <= {name for name, _ in script_modules()}
+    names = {name for name, _ in script_modules()}
+    assert {"scripts.bench.__main__", "scripts.gpu_harness.scenarios"} <= names
 
 
 def script_modules() -> list[tuple[str, Path]]:
-    """(dotted name, path) of every Python file under scripts/, named as ``python -m scripts...`` imports it."""
+    """(dotted name, path) of every Python file under scripts/, as ``python -m scripts...`` names it."""
     return [
         (".".join(["scripts", *path.relative_to(SCRIPTS_DIR).with_suffix("").parts]), path)
         for path in sorted(SCRIPTS_DIR.rglob("*.py"))
@@ -384,9 +385,8 @@ def test_no_import_cycle(tree: str):
     modules = package_modules() if tree == "package" else script_modules()
     graph = import_graph({name: path.read_text() for name, path in modules})
     cycles = [describe_cycle(cycle, graph) for cycle in import_cycles(graph)]
-    assert not cycles, f"import cycles in the {tree} (imports inside functions and type-only ones count):\n" + (
-        "\n".join(cycles)
-    )
+    why = "imports inside functions and type-only ones count"
+    assert not cycles, f"import cycles in the {tree} ({why}):\n" + "\n".join(cycles)
 
 
 # Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never
