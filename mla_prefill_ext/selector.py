@@ -16,6 +16,7 @@ falls back to automatic selection, as vLLM 0.20 itself silently did.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +28,34 @@ from mla_prefill_ext.backends.base import AutoSelectClaim
 from mla_prefill_ext.registry import MLAPrefillBackendEnum, lookup, registered_backends
 from mla_prefill_ext.settings import AUTO, BACKEND_ENV, Choice, user_setting
 
-# MLAPrefillSelectorConfig, Selection and Choice stay importable from here too (the API names them so).
-from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig, Selection
+# MLAPrefillSelectorConfig and Choice stay importable from here too (the API names them so).
+from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLAPrefillSelectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.platforms.interface import DeviceCapability
 
     from mla_prefill_ext.backends.base import MLAPrefillBackend
+
+
+@dataclass
+class Selection:
+    """The outcome of a selection, how it was chosen, and why every other candidate was passed over.
+
+    ``source`` is the setting that chose ``name`` (``MLA_PREFILL_BACKEND``,
+    ``additional_config[...]``, a legacy flag) or :data:`AUTOMATIC`.
+    """
+
+    backend: type[MLAPrefillBackend]
+    name: str
+    source: str
+    capability: DeviceCapability | None
+    config: MLAPrefillSelectorConfig
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def is_automatic(self) -> bool:
+        return self.source is AUTOMATIC
 
 
 def is_deepseek_r1_mla_compatible(vllm_config: VllmConfig) -> bool:

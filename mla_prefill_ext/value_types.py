@@ -1,23 +1,21 @@
-"""The values backends, selector and hosts share: selector config, MLA dims, Selection, context
-chunks, warm-up declarations, auto-selection claims.
+"""The values backends, selector and hosts share: selector config, MLA dims, context chunks,
+warm-up declarations, auto-selection claims.
 
-It imports nothing of the add-on, vLLM or PyTorch at run time, so that every module
-can depend on it: a backend is chosen (``backends/`` reads these types), it does not
-choose (it never imports the selector).
+It imports nothing of the add-on (not even for type hints) and vLLM or PyTorch only for type hints,
+so that every module can depend on it: a backend is chosen (``backends/`` reads these types), it does not
+choose (it never imports the selector). ``Selection`` names a backend class, so it lives with
+the selector.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
     from vllm.platforms.interface import DeviceCapability
-
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
 
 
 class MLADims(NamedTuple):
@@ -68,26 +66,6 @@ class Automatic(str, Enum):
 
 
 AUTOMATIC = Automatic.AUTOMATIC
-
-
-@dataclass
-class Selection:
-    """The outcome of a selection, how it was chosen, and why every other candidate was passed over.
-
-    ``source`` is the setting that chose ``name`` (``MLA_PREFILL_BACKEND``,
-    ``additional_config[...]``, a legacy flag) or :data:`AUTOMATIC`.
-    """
-
-    backend: type[MLAPrefillBackend]
-    name: str
-    source: str
-    capability: DeviceCapability | None
-    config: MLAPrefillSelectorConfig
-    rejected: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def is_automatic(self) -> bool:
-        return self.source is AUTOMATIC
 
 
 class ContextChunk(NamedTuple):

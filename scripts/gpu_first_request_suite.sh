@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First requests after a fresh start (docs/benchmarks.md section 7), on a CUDA host, within a time
+# First requests after a fresh start (docs/benchmarks.md, "First requests after a fresh start"), on a CUDA host, within a time
 # budget (default 540 s):
 #   bash scripts/gpu_first_request_suite.sh [--budget SECONDS] [--compiled] OUT_DIR
 # 1. environment.txt: GPU, driver, versions;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first-request issue's load on a real `vllm serve` (docs/benchmarks.md section 7b), on a CUDA host:
+# The first-request issue's load on a real `vllm serve` (docs/benchmarks.md, "Load on a real `vllm serve`"), on a CUDA host:
 #   bash scripts/gpu_serve_load_suite.sh [--budget SECONDS] [--sides stock,FLASHINFER,FLASH_ATTN] [--eager]
 #       [--caches DIR] OUT_DIR
 # environment.txt (GPU, driver, versions), then scripts/bench/serve_load.py: each side one server with

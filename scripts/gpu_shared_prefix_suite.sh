@@ -7,12 +7,11 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT bench-compiled  # the same engines compiled, CUDA graphs
 #   bash scripts/gpu_shared_prefix_suite.sh OUT control  # eager, the points that read below 0.97 on vLLM 0.25.1
 #                                                       # (private 8k, fresh) with two stock lifetimes and the
-#                                                       # path with and without its gathering, each call's
-#                                                       # arrival traced: spread vs cost, within one split
+#                                                       # path with and without its gathering: spread vs cost
 #   bash scripts/gpu_shared_prefix_suite.sh OUT pause    # eager, the private and fresh points: the path on and
 #                                                       # paused (all of it; plan+route; the engine core's parts)
 #                                                       # call by call in one add-on engine, next to two stock
-#                                                       # lifetimes; arrivals traced (cost vs lifetime spread)
+#                                                       # lifetimes (cost vs lifetime spread)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT lifetimes  # eager, fresh prompts: three stock engines, three
 #                                                       # with the path on, two with it off, side by side
 #                                                       # (what a configuration costs vs what lifetimes of one
@@ -30,15 +29,14 @@
 #                                                       # absorbed (the router's calibration)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
 #                                                       # or a backend; default FLASH_ATTN), its workload's peak
-#   bash scripts/gpu_shared_prefix_suite.sh OUT fixed-cost  # a call over a cached 32k prefix, by function
 # PREFIX_LENS=32768,8192 (bench, bench-compiled): the shared points at each prefix length.
 # NAMES=a,b (parity): those scenarios only, and their pairs; the verdicts are replayed on a CPU then.
 # PACK=1 (parity): the scenarios' files as one OUT/scenarios.tar.gz; SHARP_DIR: where the checkpoint goes.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
-# docs/benchmarks.md, section 11.
+# docs/benchmarks.md ("Shared-prefix engine").
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory|fixed-cost}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory|fixed-cost}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -73,21 +71,21 @@ control)
   stamp "control (eager): two stock lifetimes, the path with and without its gathering"
   "$python" -m scripts.bench shared_prefix_engine --eager --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:nogather \
     --scenarios shared,private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 \
-    --reps "${REPS:-10}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
+    --reps "${REPS:-10}" --gpu-mem 0.2 --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-control.json" >"$out/engine-control.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|\|arrived in steps\|calls by arrival"
+  grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|\|^note:\|against every stock lifetime"
   ;;
 pause)
   stamp "the path on and paused in one engine lifetime (eager), two stock lifetimes"
   "$python" -m scripts.bench shared_prefix_engine --eager \
     --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan+route,FLASH_ATTN:pause-hashes+hits+gather \
     --scenarios private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 \
-    --reps "${REPS:-200}" --gpu-mem 0.2 --trace-arrivals --stop-after "${STOP_AFTER:-470}" \
+    --reps "${REPS:-200}" --gpu-mem 0.2 --stop-after "${STOP_AFTER:-470}" \
     --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-pause.log" |
-    grep "^|\|^note:\|calls by arrival\|calls split in two\|against every stock lifetime\|in one engine lifetime"
+    grep "^|\|^note:\|against every stock lifetime\|in one engine lifetime"
   ;;
 lifetimes)
   if [[ ${COMPILED:-0} == 1 ]]; then  # each engine compiles: fewer of them, the one compiled point left open
@@ -99,11 +97,11 @@ lifetimes)
     points=16x32,16x128 mem=0.11 name=lifetimes
   fi
   "$python" -m scripts.bench shared_prefix_engine "${mode[@]}" --sides "$sides" --scenarios fresh \
-    --points "$points" --reps "${REPS:-200}" --gpu-mem "$mem" --max-model-len 4096 --trace-arrivals \
+    --points "$points" --reps "${REPS:-200}" --gpu-mem "$mem" --max-model-len 4096 \
     --stop-after "${STOP_AFTER:-470}" --json "$out/engine-$name.json" >"$out/engine-$name.log" 2>&1
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-$name.log" |
-    grep "^|\|^note:\|calls by arrival\|calls split in two\|against every stock lifetime"
+    grep "^|\|^note:\|against every stock lifetime"
   ;;
 parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
@@ -159,12 +157,6 @@ memory)
   grep -v "WARNING\|INFO" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -12
   grep "KV cache memory\|Available\|profil" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -4
   ;;
-fixed-cost)
-  stamp "the fixed cost of a call over a cached prefix, by function (engine in-process, eager, stock)"
-  "$python" -m scripts.bench prefix_fixed_cost --eager --json "$out/fixed-cost.json" >"$out/fixed-cost.log" 2>&1
-  rc=$?
-  grep -v "WARNING\|INFO" "$out/fixed-cost.log" | tail -70
-  ;;
 layer)
   stamp "one layer: vLLM's plan, shared, absorbed"
   "$python" -m scripts.bench shared_prefix_layer --new 32,128,256,512 --json "$out/layer.json" >"$out/layer.log" 2>&1
@@ -172,7 +164,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, tp2, layer, memory or fixed-cost" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, tp2, layer or memory" >&2
   exit 2
   ;;
 esac

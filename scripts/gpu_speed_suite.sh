@@ -3,14 +3,12 @@
 #   bash scripts/gpu_speed_suite.sh [--kernel] [--prev DIR] OUT_DIR
 # 1. the no-sync check of every backend's step path (tests/gpu/test_no_sync.py; it also shows the
 #    check failing for planning from device offsets, and JIT-builds FlashInfer's kernels);
-# 2. the host time of one step's preparation per backend, GPU idle and busy (scripts/bench/plan.py);
-# 3. engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once, interleaved
+# 2. engine throughput, stock and the add-on's FLASH_ATTN and FLASHINFER alive at once, interleaved
 #    (scripts/bench/engine.py, its default model: the 61-layer R1 slice); with --prev DIR also
 #    FLASHINFER from the code tree in DIR (a folder holding an earlier mla_prefill_ext), to compare
 #    two versions in one run;
-# 4. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims,
-#    scripts/bench/kernel.py);
-# 5. the start-up profile (scripts/bench/startup.py), last, on an otherwise idle host.
+# 3. with --kernel: the kernel benchmark (backend vs bare kernel, R1 and non-R1 dims,
+#    scripts/bench/kernel.py).
 # Everything lands in OUT_DIR (logs, JSON, junit XML).
 set -u
 kernel=0 prev=""
@@ -39,9 +37,6 @@ stamp "environment"
 stamp "no-sync check"
 python -m pytest tests/gpu/test_no_sync.py -q -rs --junitxml="$out/no-sync.xml" > "$out/no-sync.log" 2>&1
 stamp "no-sync check: rc=$?"
-stamp "step preparation"
-python -m scripts.bench plan --json "$out/bench-plan.json" > "$out/bench-plan.log" 2>&1
-stamp "step preparation: rc=$?"
 stamp "engine throughput"
 engine_args=()
 if [[ -n $prev ]]; then
@@ -56,6 +51,3 @@ if [[ $kernel == 1 ]]; then
     > "$out/bench-kernel.log" 2>&1
   stamp "kernel benchmark: rc=$?"
 fi
-stamp "start-up profile"
-python -m scripts.bench startup --reps 5 --json "$out/startup.json" > "$out/startup.log" 2>&1
-stamp "start-up profile: rc=$?"

@@ -7,8 +7,8 @@
 # Full run: GPU 0 and GPU 1 each run a queue of single-GPU engine scenarios; GPU 1 also runs
 # the kernel numerics suite and the kernel benchmark; then the TP=2 scenarios take both GPUs;
 # then the shared-prefix parity scenarios over both GPUs from one queue;
-# then the engine assertions (verdicts, mutation proof) run over the recorded results, and
-# the engine and start-up benchmark tables (scripts/bench/).
+# then the engine assertions (verdicts, mutation proof) run over the recorded results (with --bench
+# each scenario's JSON also holds its throughput).
 # --quick: the engine scenarios only (no --bench, no kernel suite, no benchmarks), single-GPU
 # ones over both GPUs from one queue, then TP=2, then the engine assertions.
 # Everything lands in OUT_DIR (logs, scenario JSON, junit XML, benchmark JSON and plot).
@@ -67,12 +67,4 @@ tail -n 3 "$out/engine.log"
 python -m pytest tests/gpu/test_shared_prefix.py -q -rs -s --junitxml="$out/shared-prefix.xml" \
   > "$out/shared-prefix.log" 2>&1
 tail -n 3 "$out/shared-prefix.log"
-if [[ $quick != 1 ]]; then
-  stamp "engine benchmark table"
-  python -m scripts.bench engine_scenarios --results "$out/scenarios" --json "$out/bench-engine.json" \
-    > "$out/bench-engine.log" 2>&1
-  stamp "start-up benchmark"
-  python -m scripts.bench startup --reps 3 --whole-process --json "$out/bench-startup.json" \
-    > "$out/bench-startup.log" 2>&1
-fi
 stamp "done"

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-# The value types live in value_types (no cycle through warmup); backend authors import them from here.
+# The value types live in value_types (it imports nothing of the add-on); backend authors import
+# them from here.
 from mla_prefill_ext.value_types import R1_MLA_DIMS, AutoSelectClaim, ContextChunk, KernelWarmup
 
 if TYPE_CHECKING:
@@ -261,6 +262,7 @@ class MLAPrefillBackend(ABC):
         it took, or None when nothing ran (nothing declared, or this configuration warmed
         up already in this process).
         """
+        # Here, not at the top: warmup logs through vLLM's logger, and the base class loads without vLLM.
         from mla_prefill_ext.backends.warmup import warm_up_once
 
         return warm_up_once(self, torch.device(device), q_data_type, output_dtype)

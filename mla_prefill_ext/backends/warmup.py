@@ -5,15 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
 from mla_prefill_ext._logging import logger
 from mla_prefill_ext.value_types import ContextChunk, KernelWarmup
-
-if TYPE_CHECKING:
-    from mla_prefill_ext.backends.base import MLAPrefillBackend
 
 # The synthetic step: two requests, new tokens over one context chunk. Small, so that the
 # warm-up costs what building or loading the kernels costs and nothing more.
@@ -83,6 +80,29 @@ class WarmupStep:
     chunk_v: torch.Tensor
 
 
+class WarmableBackend(Protocol):
+    """What a warm-up uses of a backend: ``MLAPrefillBackend`` has it. Named here, not imported from
+    ``base``, so that the base class can depend on this module without either knowing the other."""
+
+    kernel_warmup: ClassVar[KernelWarmup | None]
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int: ...
+    @staticmethod
+    def get_name() -> str: ...
+    @classmethod
+    def supports_compute_capability(cls, device_capability: Any) -> bool: ...
+    def clone(self) -> WarmableBackend: ...
+    def reserve_workspace(self, device: torch.device) -> None: ...
+    def prepare_metadata(self, prefill_metadata: Any) -> None: ...
+    def run_prefill_new_tokens(self, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any: ...
+    def run_prefill_context_chunk(self, chunk_idx: int, q: Any, k: Any, v: Any) -> Any: ...
+
+
 def _offsets(lengths: tuple[int, ...]) -> torch.Tensor:
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)  # vLLM's offsets are int32
     torch.cumsum(torch.tensor(lengths, dtype=torch.int32), dim=0, out=out[1:])
@@ -90,7 +110,7 @@ def _offsets(lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 def synthetic_step(
-    backend: MLAPrefillBackend, device: torch.device, q_data_type: torch.dtype, output_dtype: torch.dtype
+    backend: WarmableBackend, device: torch.device, q_data_type: torch.dtype, output_dtype: torch.dtype
 ) -> WarmupStep:
     """New tokens of two requests over one context chunk, in the backend's head configuration.
 
@@ -130,7 +150,7 @@ def synthetic_step(
 
 
 def run_variants(
-    probe: MLAPrefillBackend,
+    probe: WarmableBackend,
     spec: KernelWarmup,
     device: torch.device,
     q_data_type: torch.dtype,
@@ -156,7 +176,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def warm_up_once(
-    backend: MLAPrefillBackend, device: torch.device, q_data_type: torch.dtype, output_dtype: torch.dtype
+    backend: WarmableBackend, device: torch.device, q_data_type: torch.dtype, output_dtype: torch.dtype
 ) -> float | None:
     """``MLAPrefillBackend.warm_up``: see there. Seconds taken, or None when nothing ran."""
     spec = type(backend).kernel_warmup

@@ -1,9 +1,10 @@
 """How ``bench`` times a call: the median of repetitions after warm-up, with the device synchronised.
 
-As ``scripts/bench/kernel.py`` does it: one timed call sizes a repetition (enough calls back to
-back that it lasts about ``min_repetition_s``, at most ``max_calls``), so that the clock and the
-synchronisation cost little next to the work; each repetition is timed from a synchronised device
-to a synchronised device; the result is the median over the repetitions, per call.
+The checkout's kernel benchmark (``scripts/bench/kernel.py``) times with it too. One timed call
+sizes a repetition (enough calls back to back that it lasts about ``min_repetition_s``, at most
+``max_calls``), so that the clock and the synchronisation cost little next to the work; each
+repetition is timed from a synchronised device to a synchronised device; the result is the median
+over the repetitions, per call.
 ``size_repetition`` and ``time_repetition`` are its two halves, for a caller that takes turns
 with another measurement repetition by repetition.
 Needs neither vLLM nor PyTorch: the clock and the synchronisation are arguments.

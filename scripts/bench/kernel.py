@@ -6,9 +6,10 @@
 
 TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk after
 prepare_metadata, next to the same kernel called directly with the same arguments
-(vllm_flash_attn's flash_attn_varlen_func, FlashInfer's planned wrapper): CUDA events over
-repeated launches after warm-up, the two sides interleaved round by round, median of the
-rounds. Then, per shape, the fastest backend measured and what automatic selection picks on
+(vllm_flash_attn's flash_attn_varlen_func, FlashInfer's planned wrapper), timed as
+``mla-prefill-ext bench`` times (``mla_prefill_ext.bench.timing``: repeated launches after warm-up,
+from a synchronised device to a synchronised device), the two sides interleaved round by round,
+median of the rounds. Then, per shape, the fastest backend measured and what automatic selection picks on
 this GPU. On the CPU (no GPU, or --device cpu) one smoke-sized case checks the script, not
 the numbers. Tables and plot from a run's log: kernel_report.py.
 
@@ -24,8 +25,9 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
+
+from mla_prefill_ext.bench import timing
 
 from . import common
 from .kernel_tables import NON_R1, R1, fastest_per_shape, plot
@@ -83,32 +85,6 @@ def case_problem(case: dict[str, Any], device: str) -> tuple[Any, tuple, float, 
     return p, chunk, p.flops(context=False), p.flops(new_tokens=False)
 
 
-def launch_timer(device: str):
-    """measure(fn, n): seconds per launch of n launches back to back (CUDA events on the GPU)."""
-    import torch
-
-    if device == "cuda":
-
-        def measure(fn, n: int) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / n
-
-    else:
-
-        def measure(fn, n: int) -> float:
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            return (time.perf_counter() - t) / n
-
-    return measure
-
-
 def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[str, Any]:
     """The same kernel as the backend, called directly with the same arguments.
 
@@ -163,20 +139,15 @@ def backend_ops(cls: type, case: dict[str, Any], p: Any, chunk: tuple) -> tuple[
     return backend, ours
 
 
-def launches_per_round(fns: dict[str, Any], measure, device: str) -> int:
-    """Warm every side up (and JIT), then size a round from one timed launch of the backend's side."""
+def device_sync(device: str):
+    """What waits for the device's queued work: CUDA's synchronize, nothing on the CPU."""
     import torch
 
-    for fn in fns.values():
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    once = measure(fns["backend"], 1)
-    return max(1, min(200, int(0.02 / max(once, 1e-6))))
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
 def measure_backend(
-    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse=False
+    name, cls, case, p, chunk, new_flops, ctx_flops, rounds, device, with_lse=False
 ) -> list[dict]:
     """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
     dims, heads = case["dims"], case["heads"]
@@ -188,11 +159,14 @@ def measure_backend(
         ops.append(("new_tokens_lse", new_flops))
     for op, flops in ops:
         fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
-        n = launches_per_round(fns, measure, device)
+        sync = device_sync(device)
+        for fn in fns.values():  # every side warmed up (and JIT-built) before the backend's sizes a round
+            fn()
+        n = timing.size_repetition(fns["backend"], sync=sync, warmup=0)
         samples: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(rounds):  # interleave the sides round by round
             for k, fn in fns.items():
-                samples[k].append(measure(fn, n))
+                samples[k].append(timing.time_repetition(fn, sync=sync, calls=n))
         row = {
             "backend": name,
             "op": op,
@@ -224,7 +198,6 @@ def bench_kernels(
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig
 
-    measure = launch_timer(device)
     rows = []
     for case in grid:
         dims, heads = case["dims"], case["heads"]
@@ -236,7 +209,7 @@ def bench_kernels(
                 continue
             try:
                 rows += measure_backend(
-                    name, cls, case, p, chunk, new_flops, ctx_flops, measure, rounds, device, with_lse
+                    name, cls, case, p, chunk, new_flops, ctx_flops, rounds, device, with_lse
                 )
             except RuntimeError as e:  # a kernel that refuses this shape is a result too
                 rows.append(

@@ -51,7 +51,7 @@ def fastest_per_shape(rows: list[dict[str, Any]], capability: Any) -> list[dict[
     return out
 
 
-def plot(kernel_rows: list[dict[str, Any]], path: str) -> None:
+def plot(kernel_rows: list[dict[str, Any]], path: str, dpi: int = 120) -> None:
     """TFLOP/s over tokens of one sequence, R1 dims: backend and bare kernel, per op and head count."""
     import matplotlib
 
@@ -86,7 +86,7 @@ def plot(kernel_rows: list[dict[str, Any]], path: str) -> None:
     axes[0].set_ylabel("TFLOP/s (bf16)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
 
 
 def kernel_markdown(kernel_rows: list[dict[str, Any]]) -> list[str]:

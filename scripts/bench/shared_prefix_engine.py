@@ -3,8 +3,7 @@
     python -m scripts.bench shared_prefix_engine [--sides stock,FLASH_ATTN,FLASH_ATTN:noshare]
         [--scenarios shared,private,fresh,decode] [--prefix-lens 32768,8192]
         [--points 16x32,16x128,16x512,8x1024,4x2048] [--reps 5] [--eager] [--gpu-mem 0.28]
-        [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--trace-arrivals]
-        [--json out.json]
+        [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
 
 Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
 checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
@@ -59,18 +58,6 @@ Memory: every engine's workers forget the start-up's allocator peak once the eng
 the workload's peak at the end (``memory`` in the JSON, one line per worker): peak allocated, the KV
 cache it includes, the rest beyond it, and what the allocator reserves.
 
-``--trace-arrivals`` (one GPU: the engine core in the worker's process): per timed call, when the driver
-sent each request, when the engine core's input thread began and ended preprocessing it, when the busy
-loop took it, and each step, in ms from the first send (``scripts/bench/arrival_trace.py``; printed and
-in the JSON as ``arrival_traces``), how each call's requests arrived in steps (``[16]``: one step,
-``[10, 6]``: split), and a table of the calls by that split, per side: count and median seconds of
-the calls taken in one step and of those split (``by_arrival_split``). A split call runs two
-forwards on any side, so a paired ratio over calls split differently mixes arrival with cost: compare
-the sides within one group. Of the calls split in two, per side: the first step's requests, when it
-began, each of the two steps' ms (``split_steps``: where two sides differ, in which step; the engine
-core's step calls, with async scheduling mostly the host's launch of each forward). A recorded
-run's JSON gives both tables again: ``python -m scripts.bench shared_prefix_steps RUN.json``.
-
 Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
 backend, ``examples/counting_backend.py``, a side of its own, not one of these).
 """
@@ -84,15 +71,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import arrival_trace, common, engine
+from . import common, engine
 from .shared_prefix_table import (
     Raw,
     cache_notes,
     comparison_lines,
     comparisons,
     markdown,
-    split_table,
-    step_table,
     tabulate,
 )
 from .shared_prefix_workload import (
@@ -298,11 +283,6 @@ def make_parser():
         type=float,
         help="seconds from the start: no repetition begins that would end later (by the last one's time)",
     )
-    parser.add_argument(
-        "--trace-arrivals",
-        action="store_true",
-        help="stamp each timed call's requests (driver send, engine core queue, step) and print them",
-    )
     parser.add_argument("--json", help="write the raw results and the table here")
     return parser
 
@@ -353,12 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     pauses = pauses_before_calls(sides)
     for llm in own.values():  # the peaks reported at the end are the workload's, not the start-up's
         llm.collective_rpc(engine.reset_memory_peak)
-    traces: list[dict[str, Any]] = []  # --trace-arrivals: per timed call, its requests' stamps
-    if args.trace_arrivals:
-        for label, llm in own.items():
-            if not all(llm.collective_rpc(arrival_trace.install_in_engine_core)):
-                raise SystemExit(f"side {label}: no engine core in its worker's process to trace")
-            arrival_trace.install_in_driver(llm)
 
     def set_pause(side: str, parts: tuple[str, ...]) -> None:
         """Outside the timing: the parts of the path paused in the side's engine (one GPU: the engine
@@ -384,9 +358,6 @@ def main(argv: list[str] | None = None) -> int:
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         set_pause(side, pauses[side] or ())
         before = path_counters(engines[side])  # outside the timing
-        if args.trace_arrivals:  # earlier calls' stamps dropped
-            arrival_trace.take_events()
-            engines[side].collective_rpc(arrival_trace.take_events)
         t = time.perf_counter()
         outputs = engines[side].generate(batch, params, use_tqdm=False)
         took = time.perf_counter() - t
@@ -398,14 +369,6 @@ def main(argv: list[str] | None = None) -> int:
             "requests": len(prompts),
             "prompt_len": len(prompts[0]),
         }
-        if args.trace_arrivals:
-            core = engines[side].collective_rpc(arrival_trace.take_events)[0]
-            trace = arrival_trace.timeline(arrival_trace.take_events(), core)
-            split = arrival_trace.arrival_split(trace)
-            traces.append({**call, "seconds": took, "split": split, **trace})
-            label = f"{side} {len(prompts)} x {len(prompts[0])} ({took * 1e3:.0f} ms)"
-            print("\n".join(arrival_trace.timeline_lines(label, trace)), flush=True)
-            print(f"  arrived in steps {split}", flush=True)
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
             path_steps.append({**call, **delta})
@@ -447,8 +410,6 @@ def main(argv: list[str] | None = None) -> int:
     notes = cache_notes(table)
     # Against every stock lifetime (two or more), each pause side against its host.
     compared = comparisons(raw["seconds"], header["sides"])
-    by_split = split_table(traces, labels)  # --trace-arrivals: the calls by how their requests arrived
-    split_steps = step_table(traces, labels)  # and the two steps of the calls split in two
     for label in own:  # the path as the add-on sets it again, before the last reports
         set_pause(label, ())
     # Whether the path ran at all: each engine's workers' counters (steps with shared segments,
@@ -462,10 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     if compared_lines := comparison_lines(compared):
         print("\n".join(compared_lines), flush=True)
-    if by_split:
-        print("calls by arrival (count: median s)\n" + "\n".join(by_split), flush=True)
-    if split_steps:
-        print("calls split in two, their steps (medians)\n" + "\n".join(split_steps), flush=True)
     common.write_json(
         args.json,
         {
@@ -478,9 +435,6 @@ def main(argv: list[str] | None = None) -> int:
             "engines_after": after,
             "path_steps": path_steps,
             "memory": memory,
-            "arrival_traces": traces,
-            "by_arrival_split": by_split,
-            "split_steps": split_steps,
         },
     )
     return 0

@@ -12,7 +12,6 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .arrival_trace import arrival_steps
 from .shared_prefix_workload import Point
 
 Raw = dict[str, dict[str, list[Any]]]  # side -> point key -> one value per timed repetition
@@ -224,82 +223,3 @@ def cache_notes(table: Sequence[dict[str, Any]]) -> list[str]:
             elif cell["cache_as_planned"] is None:
                 notes.append(f"{side}, {row['key']}: vLLM reported no cached-token counts")
     return notes
-
-
-def split_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
-    """The timed calls grouped by how their requests arrived (``--trace-arrivals``): per point and
-    side, the calls taken in one step and those split over more, each as count and median seconds
-    (the untimed warm-up calls and calls whose split the trace cannot say are left out). Two sides
-    compare only within one group: a call split by arrival runs one more forward, whichever side it
-    is (the paired ratios mix both)."""
-    groups: dict[str, dict[str, dict[str, list[float]]]] = {}
-    for t in traces:
-        if not t.get("rep") or t.get("split") is None or "point" not in t:
-            continue
-        kind = "one step" if len(t["split"]) == 1 else "split"
-        cell = groups.setdefault(t["point"], {}).setdefault(t["side"], {})
-        cell.setdefault(kind, []).append(t["seconds"])
-    if not groups:
-        return []
-    columns = ["point", *(f"{s}: {k}" for s in sides for k in ("one step", "split"))]
-    rows = []
-    for point, by_side in groups.items():
-        cells = [point]
-        for side in sides:
-            for kind in ("one step", "split"):
-                times = by_side.get(side, {}).get(kind, [])
-                cells.append(f"{len(times)}: {statistics.median(times):.3f}" if times else "0")
-        rows.append(cells)
-    return _markdown(columns, rows)
-
-
-def step_table(traces: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
-    """The timed calls whose requests arrived in two steps (``--trace-arrivals``; most calls at the
-    private and fresh points), per point and side: how many, and medians of the first step's requests,
-    when it began (ms from the call's first send), each of the two steps' ms and the call's seconds.
-
-    A step here is the engine core's ``step`` call (``_process_engine_step``). With async scheduling
-    (vLLM's default) a step schedules and launches its forward and returns; the next one waits for the
-    previous forward's output. So the first step's time is mostly the host's launch of the first
-    forward, the second's the launch of the second plus the rest of the first (and the second's own
-    end lands in later steps, not shown). Where two sides' calls differ, this says in which step."""
-    groups: dict[str, dict[str, list[tuple[float, ...]]]] = {}
-    for t in traces:
-        if not t.get("rep") or "point" not in t or not t.get("steps"):
-            continue
-        steps = arrival_steps(t)
-        if steps is None or len(steps) != 2:
-            continue
-        (first, began, first_ms), (_, _, second_ms) = steps
-        row = (first, began, first_ms, second_ms, t["seconds"])
-        groups.setdefault(t["point"], {}).setdefault(t["side"], []).append(row)
-    columns = [
-        "point",
-        "side",
-        "calls",
-        "first step's requests",
-        "began ms",
-        "first step ms",
-        "second step ms",
-        "call s",
-    ]
-    rows = []
-    for point, by_side in groups.items():
-        for side in sides:
-            calls = by_side.get(side)
-            if not calls:
-                continue
-            med = [statistics.median(c[i] for c in calls) for i in range(5)]
-            rows.append(
-                [
-                    point,
-                    side,
-                    str(len(calls)),
-                    f"{med[0]:g}",
-                    f"{med[1]:.1f}",
-                    f"{med[2]:.1f}",
-                    f"{med[3]:.1f}",
-                    f"{med[4]:.3f}",
-                ]
-            )
-    return _markdown(columns, rows) if rows else []

@@ -2,7 +2,7 @@
 ``vllm serve`` parser), the load generator (against a loopback HTTP server, since vLLM's server cannot
 start on this machine), the figures, and a side whose server cannot start.
 
-Its numbers come from the GPU host (docs/benchmarks.md, section 7).
+Its numbers come from the GPU host (docs/benchmarks.md, "Load on a real `vllm serve`").
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +19,12 @@ from scripts.bench import engine
 from scripts.bench import shared_prefix_engine as bench
 from scripts.bench.shared_prefix_table import (
     cache_notes,
+    comparison_lines,
+    comparisons,
     lifetime_table,
     markdown,
     paired_ratio,
     pause_table,
-    split_table,
-    step_table,
     tabulate,
 )
 from scripts.bench.shared_prefix_workload import (
@@ -469,98 +467,7 @@ def test_memory_lines_say_the_peak_beyond_the_kv_cache():
     ]
 
 
-def test_traced_calls_are_compared_within_how_their_requests_arrived():
-    def call(side, seconds, split, point="private P=8192 B=16 N=128", rep=1):
-        return {"side": side, "point": point, "rep": rep, "seconds": seconds, "split": split}
-
-    traces = [
-        call("stock", 0.14, [16]),
-        call("FLASH_ATTN", 0.20, [10, 6]),
-        call("stock", 0.19, [12, 4]),
-        call("FLASH_ATTN", 0.15, [16]),
-        call("stock", 0.16, [16]),
-        call("FLASH_ATTN", 0.13, [16]),
-        # Same batch and prompt length, another point: a group of its own.
-        call("stock", 0.5, [16], point="shared P=8192 B=16 N=128"),
-        call("stock", 9.9, [16], rep=0),  # the untimed warm-up
-        call("FLASH_ATTN", 9.9, None),  # a split the trace cannot say
-        {"side": "stock", "requests": 16, "prompt_len": 32},  # an older trace
-    ]
-    lines = split_table(traces, ["stock", "FLASH_ATTN"])
-    assert lines[0] == "| point | stock: one step | stock: split | FLASH_ATTN: one step | FLASH_ATTN: split |"
-    assert lines[2:] == [
-        "| private P=8192 B=16 N=128 | 2: 0.150 | 1: 0.190 | 2: 0.140 | 1: 0.200 |",
-        "| shared P=8192 B=16 N=128 | 1: 0.500 | 0 | 0 | 0 |",
-    ]
-    assert split_table([], ["stock"]) == []
-
-
-def _traced(side, seconds, taken, steps, point="fresh P=0 B=16 N=32", rep=1):
-    """A traced call: its requests taken by the busy loop at ``taken`` ms, its steps (begin, end)."""
-    return {
-        "side": side,
-        "point": point,
-        "rep": rep,
-        "seconds": seconds,
-        "requests": [[0.0, 0.1, 0.2, t] for t in taken],
-        "steps": steps,
-    }
-
-
-def test_calls_split_in_two_show_each_forward_per_side():
-    traces = [
-        # 1 request in a forward at 0.5-50.5 ms, 2 in the next (51-101); an empty step after (not counted).
-        _traced("stock", 0.102, [0.4, 3.0, 4.0], [(0.5, 50.5), (51.0, 101.0), (101.1, 101.2)]),
-        _traced("stock", 0.110, [0.4, 0.45, 4.0], [(0.6, 60.6), (61.0, 109.0)]),
-        _traced("FLASH_ATTN", 0.120, [0.9, 3.0, 4.0], [(1.0, 61.0), (62.0, 118.0)]),
-        _traced("FLASH_ATTN", 0.060, [0.9, 0.95, 0.97], [(1.0, 59.0)]),  # one forward: not in this table
-        _traced("FLASH_ATTN", 9.9, [0.9, 3.0], [(1.0, 61.0), (62.0, 118.0)], rep=0),  # the warm-up
-        _traced("FLASH_ATTN", 9.9, [0.9, None], [(1.0, 61.0), (62.0, 118.0)]),  # cannot say
-    ]
-    lines = step_table(traces, ["stock", "FLASH_ATTN", "FLASH_ATTN:noshare"])
-    assert lines[0] == (
-        "| point | side | calls | first step's requests | began ms | first step ms | second step ms "
-        "| call s |"
-    )
-    assert lines[2:] == [
-        "| fresh P=0 B=16 N=32 | stock | 2 | 1.5 | 0.6 | 55.0 | 49.0 | 0.106 |",
-        "| fresh P=0 B=16 N=32 | FLASH_ATTN | 1 | 1 | 1.0 | 60.0 | 56.0 | 0.120 |",
-    ]
-    assert step_table(traces[3:4], ["FLASH_ATTN"]) == []
-
-
-def test_a_recorded_runs_arrival_tables_are_read_back_from_its_json(tmp_path):
-    from scripts.bench import shared_prefix_steps
-
-    traces = [
-        {**_traced("stock", 0.102, [0.4, 3.0, 4.0], [(0.5, 50.5), (51.0, 101.0)]), "split": [1, 2]},
-        {**_traced("FLASH_ATTN", 0.06, [0.4, 0.45], [(0.5, 59.0)]), "split": [2]},
-    ]
-    run = {"sides": [{"label": "stock"}, {"label": "FLASH_ATTN"}], "arrival_traces": traces}
-    path = tmp_path / "run.json.gz"
-    path.write_bytes(gzip.compress(json.dumps(run).encode()))
-    lines = shared_prefix_steps.tables(shared_prefix_steps.load(path))
-    assert lines[0] == "calls by arrival (count: median s)"
-    assert "| fresh P=0 B=16 N=32 | 0 | 1: 0.102 | 1: 0.060 | 0 |" in lines
-    assert lines[lines.index("calls split in two, their steps (medians)") + 3] == (
-        "| fresh P=0 B=16 N=32 | stock | 1 | 1 | 0.5 | 50.0 | 50.0 | 0.102 |"
-    )
-    assert shared_prefix_steps.tables({"sides": [], "arrival_traces": []}) == [
-        "no arrival traces in this run (it ran without --trace-arrivals, or they were dropped)"
-    ]
-    compact = {"by_arrival_split": ["| a |"], "split_steps": ["| b |"]}  # a record without its traces
-    assert shared_prefix_steps.tables(compact) == [
-        "calls by arrival (count: median s), as stored",
-        "| a |",
-        "calls split in two, their steps (medians), as stored",
-        "| b |",
-    ]
-    assert shared_prefix_steps.main([str(path)]) == 0
-
-
-def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
-    from scripts.bench import shared_prefix_steps
-
+def test_each_side_is_read_against_every_stock_lifetime():
     key = "fresh P=0 B=16 N=32"
     seconds = {
         "stock": {key: [1.0, 2.0, 1.0]},
@@ -588,22 +495,17 @@ def test_each_side_is_read_against_every_stock_lifetime(tmp_path):
     assert lifetime_table(third, sides, ["stock", "stock:2", "stock:3"]) == lines
     first = {**seconds, "stock:0": {key: [1.0]}}  # so is the first one listed
     assert lifetime_table(first, sides, ["stock:0", "stock", "stock:2"]) == lines
-    run = {"sides": [{"label": s, "backend": s.partition(":")[0]} for s in sides], "seconds": seconds}
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(run))
-    assert shared_prefix_steps.comparisons(shared_prefix_steps.load(path)) == [
+    recorded_sides = [{"label": s, "backend": s.partition(":")[0]} for s in sides]
+    assert comparison_lines(comparisons(seconds, recorded_sides)) == [
         "against every stock lifetime (paired medians)",
         *lines,
     ]
-    one_stock = {"sides": [{"label": "stock", "backend": "stock"}], "seconds": seconds}
-    assert shared_prefix_steps.comparisons(one_stock) == []
+    assert comparison_lines(comparisons(seconds, [{"label": "stock", "backend": "stock"}])) == []
 
 
 def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
     import random
     import statistics
-
-    from scripts.bench import shared_prefix_steps
 
     key = "private P=8192 B=16 N=128"
     host = [1.0 + i / 100 for i in range(31)]  # host / pause: 1.00, 1.01, ..., 1.30 (median 1.15)
@@ -628,15 +530,16 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
     assert 1.05 < low < 1.15 < high < 1.25  # narrower than min-max (1.00-1.30)
     assert pause_table(seconds, hosts) == lines  # seeded: one record, one interval
     assert pause_table(seconds, {}) == []
-    run = {
-        "sides": [
-            {"label": "stock", "backend": "stock", "engine": None},
-            {"label": "FLASH_ATTN", "backend": "FLASH_ATTN", "engine": None},
-            {"label": "FLASH_ATTN:pause", "backend": "FLASH_ATTN", "engine": "FLASH_ATTN"},
-        ],
-        "seconds": {k: v for k, v in seconds.items() if k != "FLASH_ATTN:pause-plan+route"},
-    }
-    assert shared_prefix_steps.comparisons(run) == ["the path on / paused, in one engine lifetime", *lines]
+    recorded_sides = [
+        {"label": "stock", "backend": "stock", "engine": None},
+        {"label": "FLASH_ATTN", "backend": "FLASH_ATTN", "engine": None},
+        {"label": "FLASH_ATTN:pause", "backend": "FLASH_ATTN", "engine": "FLASH_ATTN"},
+    ]
+    timed = {k: v for k, v in seconds.items() if k != "FLASH_ATTN:pause-plan+route"}
+    assert comparison_lines(comparisons(timed, recorded_sides)) == [
+        "the path on / paused, in one engine lifetime",
+        *lines,
+    ]
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():

@@ -142,9 +142,9 @@ def test_the_prediction_is_the_routers_time_model_with_the_prefix_up_projected_o
 
 
 def test_the_time_model_matches_the_h200_layer_measurement_where_flops_alone_did_not():
-    """One R1 layer on the H200 (docs/benchmarks.md section 11): absorbed / shared measured 1.06x at
-    N=32, 2.23x at 128, 3.08x at 256, 3.44x at 512 (16 requests, 32k shared prefix). By FLOPs alone
-    the router predicted 1.89x at N=32 and moved a step that only broke even."""
+    """One R1 layer on the H200 (docs/results/h200-2026-12-01-shared-prefix-engine-run2): absorbed / shared
+    measured 1.06x at N=32, 2.23x at 128, 3.08x at 256, 3.44x at 512 (16 requests, 32k shared prefix).
+    By FLOPs alone the router predicted 1.89x at N=32 and moved a step that only broke even."""
     table = bench.block_table(16, 32768, 0)
     measured = {32: 1.06, 128: 2.23, 256: 3.08, 512: 3.44}
     for new, ratio in measured.items():

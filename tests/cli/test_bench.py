@@ -398,114 +398,11 @@ def test_shapes_and_dims_parse() -> None:
             parse_dims(bad)
 
 
-# The GPU record's comparison with scripts/bench/kernel.py (its plumbing, on the CPU)
-
-
-def test_bench_vs_kernel_pairs_each_shape_with_kernel_rows_and_flags_a_gap() -> None:
-    from scripts.bench.bench_vs_kernel import pairs
-
-    bench = {
-        "dims": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_heads": 16},
-        "shapes": [
-            {"label": "1x4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 0, "chunks": 0},
-            {"label": "1x4096+4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 4096, "chunks": 1},
-            {"label": "1x4096+8192/2", "seqs": 1, "new_tokens": 4096, "context_tokens": 8192, "chunks": 2},
-        ],
-        "results": [
-            {"backend": "FLASH_ATTN", "shape": "1x4096", "time_ms": 1.02},
-            {"backend": "FLASH_ATTN", "shape": "1x4096+4096", "time_ms": 3.6},
-            {"backend": "FLASH_ATTN", "shape": "1x4096+8192/2", "time_ms": 5.0},
-            {"backend": "EXAMPLE", "shape": "1x4096", "time_ms": 1.1},
-        ],
-    }
-
-    def row(op: str, ms: float, heads: int = 16) -> dict[str, Any]:
-        return {"backend": "FLASH_ATTN", "op": op, "dims": [128, 64, 128], "heads": heads, "shape": "1x4096",
-                "backend_ms": ms}  # fmt: skip
-
-    kernel = {
-        "kernel": [row("new_tokens", 1.0), row("context_chunk", 2.0), row("new_tokens", 9.0, heads=128)]
-    }
-    got = pairs(bench, kernel, 0.05)
-    assert [(p["backend"], p["shape"], p["kernel_ops"]) for p in got] == [
-        ("FLASH_ATTN", "1x4096", ["new_tokens"]),
-        ("FLASH_ATTN", "1x4096+4096", ["new_tokens", "context_chunk"]),
-    ]
-    assert got[0]["ratio"] == pytest.approx(1.02) and got[0]["within_tolerance"]
-    assert got[1]["kernel_ms"] == pytest.approx(3.0) and not got[1]["within_tolerance"]  # 20% apart
-
-
-@pytest.mark.vllm_patch  # the kernel benchmark records vLLM 0.20.2's runs (as tests/bench/test_scripts.py)
-def test_bench_and_kernel_benchmark_meet_on_the_same_shapes(tmp_path: Path) -> None:
-    """kernel.py's CPU case (R1 dims, 2 heads, 1x64 with 64 cached tokens) and bench on those shapes."""
-    kernel_json, bench_json, pairs_json = (
-        tmp_path / "kernel.json",
-        tmp_path / "bench.json",
-        tmp_path / "pairs.json",
-    )
-    args = ["bench", "--backend", "TORCH_SDPA", "--device", "cpu", "--dims", "128,64,128,2", "--json"]
-    shapes = ["--shapes", "1x64,1x64+64,2x32", "--repeat", "2", "--warmup", "1"]
-    bench_proc = bench(*args, *shapes)
-    kernel = [
-        "-m",
-        "scripts.bench",
-        "kernel",
-        "--device",
-        "cpu",
-        "--rounds",
-        "1",
-        "--json",
-        str(kernel_json),
-    ]
-    kernel_proc = subprocess.run(
-        [sys.executable, *kernel], capture_output=True, text=True, timeout=600, env=bench_env(), cwd=ROOT
-    )
-    done = finish(bench_proc)
-    assert kernel_proc.returncode == 0 and done.returncode == 0, (
-        kernel_proc.stderr[-2000:] + done.stderr[-2000:]
-    )
-    bench_json.write_text(done.stdout)
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench", "bench_vs_kernel", "--bench", str(bench_json), "--kernel",
-         str(kernel_json), "--tolerance", "1000", "--json", str(pairs_json)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = json.loads(pairs_json.read_text())["pairs"]
-    assert [(p["backend"], p["shape"]) for p in got] == [("TORCH_SDPA", "1x64"), ("TORCH_SDPA", "1x64+64")]
-    assert all(p["bench_ms"] > 0 and p["kernel_ms"] > 0 for p in got)
-    assert "| TORCH_SDPA | 1x64+64 | 2 |" in proc.stdout
-
-
-def test_bench_vs_kernel_pairs_a_step_with_context_with_the_new_tokens_lse_row() -> None:
-    """A step with cached context asks for the new tokens' LSE: kernel.py's new_tokens_lse is its figure."""
-    from scripts.bench.bench_vs_kernel import pairs
-
-    shape = {"label": "1x4096+4096", "seqs": 1, "new_tokens": 4096, "context_tokens": 4096, "chunks": 1}
-    bench = {
-        "dtype": "bfloat16",
-        "dims": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_heads": 16},
-        "shapes": [shape],
-        "results": [{"backend": "FLASHINFER", "shape": "1x4096+4096", "time_ms": 3.5}],
-    }
-
-    def row(op: str, ms: float) -> dict[str, Any]:
-        return {"backend": "FLASHINFER", "op": op, "dims": [128, 64, 128], "heads": 16, "shape": "1x4096",
-                "backend_ms": ms}  # fmt: skip
-
-    kernel = {"kernel": [row("new_tokens", 1.0), row("new_tokens_lse", 1.5), row("context_chunk", 2.0)]}
-    (got,) = pairs(bench, kernel, 0.05)
-    assert got["kernel_ops"] == ["new_tokens_lse", "context_chunk"] and not got["lse_left_out"]
-    assert got["kernel_ms"] == pytest.approx(3.5) and got["within_tolerance"]
-    # An older record (no new_tokens_lse): paired, and marked as leaving the LSE out.
-    (old,) = pairs(bench, {"kernel": [row("new_tokens", 1.0), row("context_chunk", 2.0)]}, 0.05)
-    assert old["kernel_ops"] == ["new_tokens", "context_chunk"] and old["lse_left_out"]
-    # kernel.py times bfloat16: a float16 bench run is not the same step.
-    assert pairs({**bench, "dtype": "float16"}, kernel, 0.05) == []
+# scripts/bench/kernel.py's grid (its plumbing, on the CPU)
 
 
 def test_kernel_grid_takes_the_shapes_and_heads_asked_for() -> None:
-    """The GPU suite's interleaved run times kernel.py on bench's shapes only, one head count."""
+    """--shapes / --heads: kernel.py on bench's shapes only, one head count."""
     from scripts.bench.kernel import kernel_grid, parse_grid_shapes
 
     shapes = parse_grid_shapes("1x1024,8x2048")

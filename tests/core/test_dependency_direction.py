@@ -16,10 +16,11 @@
 Checked over the source files, so an import inside a function or under ``TYPE_CHECKING``
 counts too, as does ``importlib.import_module("...")`` with a literal name.
 
-No import cycles: the package's modules, linked by every import that runs (imports inside
-functions included, ``TYPE_CHECKING`` blocks left out: they never run), form no cycle. A cycle
-held together by an import inside a function works only in the order someone happened to
-import things, and needs guards to stop the recursion.
+No import cycles: the package's modules, and the tools' under scripts/, linked by every import
+(imports inside functions and under ``TYPE_CHECKING`` included), form no cycle. A cycle held
+together by an import inside a function works only in the order someone happened to import
+things, and needs guards to stop the recursion; one closed by a type-only import is the same
+circle in the design, one moved annotation away from recursing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ HOSTS = f"{PACKAGE}.hosts"
 PATCH_HOST = f"{HOSTS}.vllm_0_20"
 BRIDGE_HOST = f"{HOSTS}.vllm_0_23"
 FORBIDDEN = PATCH_HOST
-ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT / PACKAGE
+SCRIPTS_DIR = REPO_ROOT / "scripts"
 BACKENDS = ROOT / "backends"
 
 
@@ -220,27 +223,6 @@ def test_dependency_direction(rule: Rule, module: str, path: Path):
 # --- import cycles -------------------------------------------------------------------------------
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (its ``else`` runs: kept)."""
-    found: list[ast.AST] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        if _is_type_checking_block(node):
-            stack.extend(node.orelse)  # type: ignore[attr-defined]
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-    return found
-
-
 def _module_of(name: str, modules: set[str]) -> str | None:
     """The package module that ``import name`` loads itself (a package's is its ``__init__``)."""
     if name in modules:
@@ -250,8 +232,8 @@ def _module_of(name: str, modules: set[str]) -> str | None:
     return None
 
 
-def runtime_imports(source: str, importer: str, modules: set[str]) -> dict[str, int]:
-    """{package module: line} of every import of the package that runs in ``source``.
+def module_imports(source: str, importer: str, modules: set[str]) -> dict[str, int]:
+    """{module: line} of every import in ``source`` of one of ``modules``, wherever it stands.
 
     ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module, else of
     ``pkg``; parent packages a dotted import loads on the way are not counted (Python runs them
@@ -264,7 +246,7 @@ def runtime_imports(source: str, importer: str, modules: set[str]) -> dict[str, 
         if module is not None and module != importer:
             found.setdefault(module, line)
 
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name, node.lineno)
@@ -287,7 +269,7 @@ def runtime_imports(source: str, importer: str, modules: set[str]) -> dict[str, 
 def import_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
     """{module: {imported package module: line}} for ``sources`` ({dotted name: source})."""
     modules = set(sources)
-    return {name: runtime_imports(source, name, modules) for name, source in sources.items()}
+    return {name: module_imports(source, name, modules) for name, source in sources.items()}
 
 
 def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -352,14 +334,12 @@ def test_the_cycle_check_sees_a_cycle_through_a_function_level_import():
         f"{PACKAGE}.a": "def f():\n    from mla_prefill_ext import b\n",
         f"{PACKAGE}.b": "import importlib\nimportlib.import_module('mla_prefill_ext.c')\n",
         f"{PACKAGE}.c": "from . import a\n",
-        f"{PACKAGE}.d": (
-            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mla_prefill_ext import a\n"
-        ),
+        f"{PACKAGE}.d": "import json\n",
         f"{PACKAGE}.p.__init__": "from mla_prefill_ext.p.q import X\n",
         f"{PACKAGE}.p.q": "from mla_prefill_ext import d\n",
     }
     graph = import_graph(sources)
-    assert graph[f"{PACKAGE}.d"] == {}  # under TYPE_CHECKING: never runs
+    assert graph[f"{PACKAGE}.d"] == {}  # not a module of the graph: no edge
     assert graph[f"{PACKAGE}.p.__init__"] == {f"{PACKAGE}.p.q": 1}
     cycles = import_cycles(graph)
     assert cycles == [[f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.a"]]
@@ -368,17 +348,50 @@ def test_the_cycle_check_sees_a_cycle_through_a_function_level_import():
     assert import_cycles(import_graph(sources)) == []
 
 
-def test_no_import_cycle_in_the_package():
-    graph = import_graph({name: path.read_text() for name, path in package_modules()})
+def test_the_cycle_check_sees_a_cycle_closed_by_a_type_only_import():
+    # The shape base.py and warmup.py had: an import inside a method one way, a TYPE_CHECKING one back.
+    sources = {
+        f"{PACKAGE}.base": "def warm_up():\n    from mla_prefill_ext.warmup import run\n",
+        f"{PACKAGE}.warmup": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mla_prefill_ext.base import B\n"
+        ),
+    }
+    graph = import_graph(sources)
+    assert import_cycles(graph) == [[f"{PACKAGE}.base", f"{PACKAGE}.warmup", f"{PACKAGE}.base"]]
+    assert describe_cycle(import_cycles(graph)[0], graph) == "base (line 2) -> warmup (line 3) -> base"
+
+
+def test_the_cycle_check_reads_the_scripts_as_python_does():
+    sources = {
+        "scripts.bench.__init__": "",
+        "scripts.bench.a": "from . import b\n",
+        "scripts.bench.b": "def f():\n    from .a import x\n",
+    }
+    assert import_cycles(import_graph(sources)) == [["scripts.bench.a", "scripts.bench.b", "scripts.bench.a"]]
+    names = {name for name, _ in script_modules()}
+    assert {"scripts.bench.__main__", "scripts.gpu_harness.scenarios"} <= names
+
+
+def script_modules() -> list[tuple[str, Path]]:
+    """(dotted name, path) of every Python file under scripts/, as ``python -m scripts...`` names it."""
+    return [
+        (".".join(["scripts", *path.relative_to(SCRIPTS_DIR).with_suffix("").parts]), path)
+        for path in sorted(SCRIPTS_DIR.rglob("*.py"))
+    ]
+
+
+@pytest.mark.parametrize("tree", ["package", "scripts"])
+def test_no_import_cycle(tree: str):
+    modules = package_modules() if tree == "package" else script_modules()
+    graph = import_graph({name: path.read_text() for name, path in modules})
     cycles = [describe_cycle(cycle, graph) for cycle in import_cycles(graph)]
-    assert not cycles, "import cycles (imports inside functions count):\n" + "\n".join(cycles)
+    why = "imports inside functions and type-only ones count"
+    assert not cycles, f"import cycles in the {tree} ({why}):\n" + "\n".join(cycles)
 
 
 # Scripts (benchmarks, tools) build on the package and its test kit (mla_prefill_ext.testing), never
 # on the test suite: tests/ is not installed, and a script reaching into it ties the benchmarks to the
 # suite's private helpers and to sys.path tricks.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS_DIR = REPO_ROOT / "scripts"
 TESTS_DIR = REPO_ROOT / "tests"
 
 

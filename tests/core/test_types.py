@@ -11,13 +11,13 @@ from mla_prefill_ext import selector
 from mla_prefill_ext import value_types as types
 from mla_prefill_ext.backends import base
 from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
-from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLADims, MLAPrefillSelectorConfig, Selection
+from mla_prefill_ext.selector import Selection
+from mla_prefill_ext.value_types import AUTOMATIC, R1_MLA_DIMS, MLADims, MLAPrefillSelectorConfig
 
 
 def test_one_selector_config_under_every_name():
     assert mla_prefill_ext.MLAPrefillSelectorConfig is MLAPrefillSelectorConfig
     assert selector.MLAPrefillSelectorConfig is MLAPrefillSelectorConfig
-    assert selector.Selection is Selection
     assert base.R1_MLA_DIMS is R1_MLA_DIMS
 
 

@@ -20,7 +20,7 @@ from mla_prefill_ext.settings import BACKEND_ENV, Choice, user_setting
 
 if TYPE_CHECKING:
     from mla_prefill_ext.backends.base import MLAPrefillBackend
-    from mla_prefill_ext.value_types import Selection
+    from mla_prefill_ext.selector import Selection
 
 TRTLLM_SOURCE = "legacy attention_config.use_trtllm_ragged_deepseek_prefill"
 FLASHINFER_SOURCE = "legacy attention_config.disable_flashinfer_prefill=False"

@@ -67,7 +67,8 @@ def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         # library may still be copying this step's offsets from them (non-blocking copies).
         start = metadata.num_decodes
         # Pageable, not pinned: pinning them made no measurable difference to FlashInfer's planning
-        # on the H200 (docs/benchmarks.md 6b) and would cost an allocation per step.
+        # on the H200 (docs/results/h200-2026-11-30-speed/README.md, 6b) and would cost an allocation
+        # per step.
         prefill.query_start_loc_cpu = host[start:] - host[start]
     prefill.mla_prefill_runners = runners
     for runner in runners.values():
