@@ -130,6 +130,12 @@ def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
     return ChoiceReport(info, findings)
 
 
+def _need_label(need: dict[str, Any]) -> str:
+    if need["problem"] is None:
+        return "ok     "
+    return "PROBLEM" if need["picked"] else "-      "
+
+
 @dataclass
 class InfoReport(Report):
     """Everything ``info`` found, rendered once as text or as JSON."""
@@ -174,14 +180,16 @@ class InfoReport(Report):
             return f"{len(problems)} problem{'s' if len(problems) > 1 else ''} found (see the findings)."
         if self.disabled:
             return "ok: the add-on is disabled, as set; vLLM runs its stock MLA prefill."
+        sp = self.shared_prefix
+        path = "" if not sp or sp["on"] else "; the shared-prefix path is off (see its line)"
         if self.bridged:
-            return "ok: the add-on is active and bridged into vLLM's own MLA prefill selection."
+            return f"ok: the add-on is active and bridged into vLLM's own MLA prefill selection{path}."
         if self.platform["served"] is False:
             return (
                 "ok: the add-on is active and vLLM's MLA layer is patched; on this platform vLLM's own "
-                f"MLA prefill stays unless a backend is chosen explicitly ({BACKEND_ENV})."
+                f"MLA prefill stays unless a backend is chosen explicitly ({BACKEND_ENV}){path}."
             )
-        return "ok: the add-on is active and vLLM's MLA layer is patched."
+        return f"ok: the add-on is active and vLLM's MLA layer is patched{path}."
 
     def to_json(self) -> dict[str, Any]:
         import platform
@@ -234,7 +242,19 @@ class InfoReport(Report):
 
     def _shared_prefix_lines(self) -> list[str]:
         sp = self.shared_prefix
-        return [f"shared-prefix path: {'on' if sp['on'] else 'off'}: {sp['reason']}"] if sp else []
+        if not sp:
+            return []
+        lines = [f"shared-prefix path: {'on' if sp['on'] else 'off'}: {sp['reason']}"]
+        if sp.get("needs"):
+            lines.append("  what it reads of this vLLM (part, runner: module.attribute: what is checked):")
+            lines += [
+                f"    {_need_label(n)}  {n['part']}, {n['runner']}: "
+                f"{n['module']}.{n['attribute']}: {n['what']}"
+                + (f": {n['problem']}" if n["problem"] else "")
+                + ("" if n["picked"] else f" (vLLM does not pick its {n['runner']} runner here)")
+                for n in sp["needs"]
+            ]
+        return lines
 
     def text_lines(self) -> list[str]:
         vllm_state = "supported" if self.version_reason is None else "NOT supported"

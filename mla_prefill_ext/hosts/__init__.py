@@ -55,9 +55,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
     ``on``; ``reason`` in words; ``problem``: True when the setting itself is invalid. Read
     after the add-on activated and vLLM's MLA module was imported (the path wraps it then).
     """
-    import sys
-
-    from mla_prefill_ext.settings import SHARED_PREFIX_ENV, gather_window_ms, shared_prefix_setting
+    from mla_prefill_ext.settings import gather_window_ms, shared_prefix_setting
 
     if disabled:
         return {"on": False, "reason": "the add-on is disabled", "problem": False}
@@ -75,6 +73,37 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
             "reason": f"{e}; an engine core of an MLA model stops at start with it",
             "problem": True,
         }
+    report = _shared_prefix_state()
+    report["needs"] = _needs_rows()
+    return report
+
+
+def _needs_rows() -> list[dict[str, Any]]:
+    """Each row of the path's table (:mod:`.core.shared_prefix.needs`) for the runners this vLLM has,
+    with its outcome here (``problem`` None: it holds) and whether vLLM may pick its runner here."""
+    from mla_prefill_ext.hosts.core.shared_prefix import needs, switch
+
+    here, picked = needs.runners_here(), switch.runners_picked()
+    return [
+        {
+            "part": need.part,
+            "runner": need.runner,
+            "picked": need.runner == needs.ANY or need.runner in picked,  # vLLM may run it here
+            "module": need.module,
+            "attribute": " or ".join(need.attributes),
+            "what": need.what,
+            "problem": problem,
+        }
+        for need, problem in needs.outcomes()
+        if need.runner == needs.ANY or need.runner in here
+    ]
+
+
+def _shared_prefix_state() -> dict[str, Any]:
+    import sys
+
+    from mla_prefill_ext.settings import SHARED_PREFIX_ENV
+
     module = sys.modules.get(SHARED_PREFIX_MODULE)
     path = getattr(module, "INSTRUMENTOR", None)
     if path is None or not path.instrumented:
@@ -89,11 +118,11 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         }
     from mla_prefill_ext.hosts.core.shared_prefix.switch import runner_outlook
 
-    unserved = runner_outlook()
-    if unserved:
+    served, runner = runner_outlook()
+    if not served:
         return {
             "on": False,
-            "reason": f"off here: {unserved}; {_hashes_outlook(_engine_core_problem())}",
+            "reason": f"off here: {runner}; {_hashes_outlook(_engine_core_problem())}",
             "problem": False,
         }
     core_problem = _engine_core_problem()
@@ -102,7 +131,7 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
         "reason": (
             f"requests sharing a cached prefix do its work once per layer ({SHARED_PREFIX_ENV}=0 turns "
             "it off); with a backend that takes shared segments (the built-ins do), not in an engine "
-            f"with an FP8 KV cache, context parallelism or dual-batch overlap; "
+            f"with an FP8 KV cache, context parallelism or dual-batch overlap{runner}; "
             f"{_hashes_outlook(core_problem)}; {_gather_outlook(core_problem)}"
         ),
         "problem": False,

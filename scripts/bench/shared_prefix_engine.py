@@ -152,7 +152,7 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
-PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments", "prompts_copied")  # the workers' reports
+PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' reports
 COUNTERS = (  # those and the engine core's prefix_hashes report
     "steps",
     "steps_routed",
@@ -160,15 +160,12 @@ COUNTERS = (  # those and the engine core's prefix_hashes report
     "blocks_reused",
     "hits_reused",
     "gathered",
-    "prompts_copied",
 )
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
     """The shared-prefix path's counters summed over the engine's workers (None: the path is not there).
 
-    ``prompts_copied``: new requests whose prompt took a shared prefix's tokens from another request's
-    row in the runner's batch;
     ``blocks_reused``: block hashes the engine core took from an earlier request instead of hashing;
     ``hits_reused``: prefix-cache hits its scheduler took from an earlier lookup instead of looking
     the blocks up; ``gathered``: client calls (requests, mostly) an idle engine core took into its

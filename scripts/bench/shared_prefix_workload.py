@@ -30,7 +30,6 @@ PAUSE_PARTS = (
     "hashes",
     "hits",
     "gather",
-    "prompts",
 )  # the add-on's switch.PARTS (tested equal)
 PAUSE_IMPLIED = {"plan": ("route",), "hashes": ("gather",)}  # and its switch.IMPLIED
 

@@ -385,7 +385,6 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "blocks_reused": 30720,
         "hits_reused": 30720,
         "gathered": 15,
-        "prompts_copied": 0,  # a counter the workers did not report yet (older add-on): 0
         "shapes": [],
     }
     assert bench.counter_delta(None, after) is None  # stock: no path to count
@@ -415,7 +414,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
     ]
     assert bench.path_steps_lines(records) == [  # records of an older run: no point, no repetition
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
-        "blocks_reused [30720, 32768], hits_reused [30720, 30720], gathered [15, 0], prompts_copied [0, 0]"
+        "blocks_reused [30720, 32768], hits_reused [30720, 30720], gathered [15, 0]"
     ]
     # By point, the warm-up left out: two points with equal B and prompt length stay apart.
     shared, private = "shared P=8192 B=16 N=128", "private P=8192 B=16 N=128"

@@ -167,11 +167,47 @@ def run_step(
 
 
 def test_the_path_wraps_vllms_context_code_where_it_has_the_known_shape(activated):
+    from mla_prefill_ext.hosts.core.shared_prefix import block_tables, needs
+
     path = _path()
-    if versions.installed_vllm_version() in ("0.20.2", "0.25.1", "0.33.0"):
+    if versions.installed_vllm_version() in versions.TESTED:
         assert path.instrumented, path.problem
+        # Each runner this vLLM has is served (0.20 and 0.25: V1, whose V2 builders lack req_idx).
+        served = {r for r, why in block_tables.RUNNER_PROBLEMS.items() if why is None}
+        line = versions.release(versions.installed_vllm_version())[:2]
+        assert served == ({"V1", "V2"} if line == (0, 33) else {"V2"} if line >= (0, 34) else {"V1"})
+        assert needs.runners_here() == (["V2"] if line >= (0, 34) else ["V1", "V2"])
     elif not path.instrumented:
         assert path.problem and "vLLM" in path.problem
+
+
+@pytest.mark.parametrize("row", range(7))
+def test_a_row_of_the_table_that_does_not_hold_leaves_vllm_untouched_with_its_reason(
+    activated, monkeypatch, row
+):
+    """Every row the context path needs on any runner, made not to hold (its attribute gone): nothing
+    is wrapped, and the one line names that row's module and attribute."""
+    import mla_prefill_ext
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    need = needs.rows("plan", needs.ANY)[row]
+    module = importlib.import_module(need.module)
+    path, _ = needs.resolve(need, module)
+    mla_prefill_ext.deactivate()
+    try:
+        broken = need._replace(check=lambda obj: "was changed (this test)")
+        monkeypatch.setattr(needs, "NEEDS", tuple(broken if n is need else n for n in needs.NEEDS))
+        assert not _path().instrument(activated)
+        assert not _path().wrappers.installed
+        assert f"{need.module}.{path} was changed (this test)" in _path().problem
+    finally:
+        monkeypatch.undo()
+        mla_prefill_ext.activate()
+        if versions.decide().mode == versions.BRIDGE:
+            from mla_prefill_ext.hosts import vllm_0_23
+
+            importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
+    assert _path().instrumented
 
 
 def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
@@ -407,12 +443,13 @@ def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activ
     import wrapt
 
     import mla_prefill_ext
-    from mla_prefill_ext.hosts.core.shared_prefix import targets
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
 
     path = _path()
     if not path.instrumented:
         pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
-    owner_name, _, name = targets.context_path(activated).rpartition(".")
+    context = next(n for n in needs.rows("plan", needs.ANY) if "_compute_prefill_context" in n.attributes[0])
+    owner_name, _, name = needs.resolve(context, activated)[0].rpartition(".")
     owner = getattr(activated, owner_name)
     assert isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
     mla_prefill_ext.deactivate()

@@ -115,12 +115,16 @@ def test_info_outlook_without_an_engine_names_an_unserved_runner(activated, clea
 
     clean_selection.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     line = (versions.release(versions.installed_vllm_version() or "") or (0, 0, 0))[:2]
-    outlook = switch.runner_outlook()
-    if line == (0, 25):
-        assert outlook is not None and "vLLM's V2 model runner (" in outlook and "req_idx" in outlook, outlook
-        assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in outlook
+    served, said = switch.runner_outlook()
+    if line == (0, 25):  # on, with a caveat for the models vLLM runs on V2
+        assert served and "not where vLLM picks another runner" in said, said
+        assert "vLLM's V2 model runner (" in said and "req_idx" in said, said
+        assert "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner" in said
     elif line in ((0, 20), (0, 33), (0, 34)):
-        assert outlook is None, outlook
+        assert (served, said) == (True, ""), said
+    clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    served, said = switch.runner_outlook()
+    assert served is (line >= (0, 33)), said  # V2 chosen: served where builders learn each row's request
 
 
 def test_one_info_line_per_process_and_decision(config, clean_selection, addon_log):

@@ -1,15 +1,15 @@
 """The shared-prefix path's wrappers: all or none, symmetric and idempotent, on the core's bookkeeping.
 
-Three wrappers: the MLA metadata builder's ``build`` (:func:`.step.after_build`), the MLA impl's
-``_compute_prefill_context`` (:func:`.layer.compute_prefill_context`) and the runner block
-table's ``get_device_tensor`` (:func:`.block_tables.remember_host_twin`); and, once vLLM's GPU
-model runner module is imported, its ``_may_reorder_batch`` (:func:`.routing.may_reorder_batch`:
-short extends that share a prefix routed to the prefill path) and its ``_update_states`` with the input
-batch's ``add_request`` (:mod:`.prompt_rows`: a shared prefix's prompt tokens copied from a request already
-in the batch), each with its own shape check. Applied when vLLM's MLA
-module is imported, after the host's own patch (vLLM 0.20) or bridge (0.23+), and only when
-:mod:`.targets` finds the shape they were written for; otherwise one INFO line says why and
-vLLM's context path runs as it always does.
+What is wrapped is the table's (:mod:`.needs`): the MLA metadata builder's ``build``
+(:func:`.step.after_build`) and the context loop ``_compute_prefill_context``
+(:func:`.layer.compute_prefill_context`), all or none; then each model runner's block tables, where its
+rows hold: the V1 runner's ``BlockTable.get_device_tensor`` (:func:`.block_tables.remember_host_twin`), the
+V2 runner's ``BlockTables.append_block_ids`` (:func:`.block_tables.mirror_block_ids`), at least one of
+them; and once vLLM's V1 runner module is imported, its ``_may_reorder_batch``
+(:func:`.routing.may_reorder_batch`: short extends that share a prefix routed to the prefill path; on the
+V2 runner the builder decides that itself). Applied when vLLM's MLA module is imported, after the host's
+own patch (vLLM 0.20) or bridge (0.23+); where a row does not hold, one INFO line says which and vLLM's
+context path runs as it always does.
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ from mla_prefill_ext.hosts.core.shared_prefix import (
     block_tables,
     layer,
     needs,
-    prompt_rows,
     routing,
     step,
     switch,
-    targets,
 )
 
 
@@ -41,7 +39,6 @@ class SharedPrefixInstrumentor:
         self.wrappers = Wrappers()
         self.instrumented = False
         self.routing = False  # V1: short extends routed (the runner's reorder wrapped)
-        self.prompts = False  # new requests' prompts take lenders' rows (the runner's batch wrapped)
         self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
         self._lock = threading.RLock()
 
@@ -92,7 +89,6 @@ class SharedPrefixInstrumentor:
         with self._lock:
             if not self.instrumented or block_tables.RUNNER_PROBLEMS.get(needs.V1):
                 return
-            self._instrument_prompts(runner_module)
             if self.routing:
                 return
             try:
@@ -110,35 +106,6 @@ class SharedPrefixInstrumentor:
                 return
             self.routing = True
 
-    def _instrument_prompts(self, runner_module: ModuleType) -> None:
-        # Another addition the path works without: its own targets, its own line.
-        if self.prompts:
-            return
-        try:
-            input_batch_module = importlib.import_module(targets.INPUT_BATCH_MODULE)
-            problem = targets.prompts_problem(runner_module, input_batch_module)
-        except ImportError as e:
-            problem = f"{targets.INPUT_BATCH_MODULE} does not import ({e})"
-        except Exception as e:  # inside vLLM's import of its runner: never let it fail there
-            problem = f"its shape could not be read ({type(e).__name__}: {e})"
-        if problem is None:
-            problem = self.wrappers.wrap_each(
-                [
-                    (runner_module, targets.UPDATE_STATES, prompt_rows.update_states),
-                    (input_batch_module, targets.ADD_REQUEST, prompt_rows.add_request),
-                ]
-            )
-        if problem is not None:
-            log_once(
-                logging.INFO,
-                ("shared-prefix-prompts", problem),
-                "MLA shared-prefix prefill (mla-prefill-ext): each new request's prompt is copied into the "
-                "runner's batch as vLLM does (%s).",
-                problem,
-            )
-            return
-        self.prompts = True
-
     def uninstrument(self) -> None:
         """Remove every wrapper (idempotent)."""
         with self._lock:
@@ -147,7 +114,6 @@ class SharedPrefixInstrumentor:
             block_tables.RUNNER_PROBLEMS.clear()
             self.instrumented = False
             self.routing = False
-            self.prompts = False
             self.problem = None
 
     def report(self) -> dict[str, object]:
@@ -159,9 +125,6 @@ class SharedPrefixInstrumentor:
             "problem": self.problem,
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
-            "prompts": self.prompts,
-            "prompts_copied": prompt_rows.COPIED[0],  # requests whose prompt took a lender's row
-            "prompt_tokens_copied": prompt_rows.COPIED[1],
             "steps": routing.STEPS[0],
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
             "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks

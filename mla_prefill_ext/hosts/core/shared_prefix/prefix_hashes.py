@@ -16,6 +16,12 @@ leading tokens give equal hashes, computed by the same hasher (same function and
 same ``NONE_HASH`` (donors are dropped when vLLM draws it again, as a second engine in the process
 does). Any other request is hashed by vLLM alone and never lends its hashes.
 
+The argument rests on how vLLM hashes, which a new vLLM may change; it is checked on the engine's own
+vLLM instead of assumed: the first time a hasher lends hashes, it also hashes that request with vLLM's
+hasher alone and compares. Where they differ the hasher stops reusing for good (and so do its engine's
+prefix-cache hits and gathering, which build on it), returns vLLM's hashes, and one INFO line names the
+difference; after that first comparison a flag keeps the check free.
+
 A new request is compared in place and its tokens copied only if it shares leading blocks with a
 donor. One that shares nothing is remembered weakly (copying every prompt, and freeing the copy of
 a finished one, on the engine core's input thread made that thread slower than stock's): its tokens
@@ -30,11 +36,13 @@ not the prefix (a chat template's header), each remembered request is still copi
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.shared_prefix import switch
 
 DONORS = 8
@@ -99,6 +107,18 @@ def common_blocks(a: Sequence[Any], b: Sequence[Any], block_size: int, limit: in
     return lo
 
 
+def differs(reused: Sequence[Any], own: Sequence[Any]) -> str | None:
+    """Where ``reused`` (a request's hashes, some lent) is not ``own`` (vLLM's for it), in words; None: equal."""
+    if reused == own:
+        return None
+    for i, (a, b) in enumerate(zip(reused, own)):
+        if a != b:
+            return f"block {i} of {len(own)} hashes differently"
+    if len(reused) != len(own):
+        return f"{len(reused)} block hashes where vLLM makes {len(own)}"
+    return None
+
+
 def keep_latest_of_each_kind(items: list[Any], kind: Callable[[Any], bool], most: int) -> None:
     """Drop from ``items`` (most recent first) all but the ``most`` first of each ``kind`` (True or False)."""
     if len(items) <= most:
@@ -150,10 +170,16 @@ class ReusingHasher:
         # The latest requests whose leading blocks a recent request has too (took its hashes, or hashed
         # them again where it had finished): (request id, tokens shared).
         self.sharing: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
+        # Whether the first lend was compared with vLLM's own hashes (done once per hasher, an engine's).
+        self.checked = False
+        # Why this hasher reuses nothing (None: it does): its first lend differed from vLLM's hashes.
+        self.off: str | None = None
+        # What builds on the reused hashes in this engine (its prefix-cache hits): turned off with it.
+        self.followers: list[Any] = []
 
     def __call__(self, request: Any) -> list[Any]:
-        if request.block_hashes or not is_plain(request) or switch.paused("hashes"):
-            return self.inner(request)  # later blocks (decode), requests with extra keys, a pause
+        if self.off is not None or request.block_hashes or not is_plain(request) or switch.paused("hashes"):
+            return self.inner(request)  # off, later blocks (decode), requests with extra keys, a pause
         bs = self.block_size
         full = request.num_tokens // bs
         if full == 0:
@@ -180,6 +206,14 @@ class ReusingHasher:
                 finally:
                     del request.block_hashes[held:]
                 hashes = reused + rest
+                if not self.checked:
+                    self.checked = True
+                    own = self.inner(request)  # the request as vLLM hashes it, from its first block
+                    difference = differs(hashes, own)
+                    if difference is not None:
+                        self._turn_off(difference)
+                        self.hashed_blocks += len(own)
+                        return own
             self.reused_blocks += len(reused)
             self.hashed_blocks += len(hashes) - len(reused)
             shared = len(reused)
@@ -201,6 +235,21 @@ class ReusingHasher:
                 donor = _Donor(head, None, hashes[:full], weakref.ref(request))
             self._remember(donor, at, k)
         return hashes
+
+    def _turn_off(self, difference: str) -> None:
+        """Stop reusing in this engine (its hits too), saying why once."""
+        self.off = f"the first reused hashes differ from vLLM's own: {difference}"
+        self._donors.clear()
+        self.sharing.clear()
+        for follower in self.followers:
+            follower.turn_off(f"its engine's block hashes are not reused ({self.off})")
+        log_once(
+            logging.INFO,
+            ("shared-prefix-hashes-differ", difference),
+            "MLA shared-prefix prefill (mla-prefill-ext): block hashes, prefix-cache hits and gathering "
+            "of shared prefixes turned off in this engine core: %s; vLLM hashes and looks up every request.",
+            self.off,
+        )
 
     def _longest(self, tokens: Any, head: list[int], full: int) -> tuple[int, int]:
         """(index of the donor, leading blocks shared) for the donor sharing the most (k = 0: none)."""

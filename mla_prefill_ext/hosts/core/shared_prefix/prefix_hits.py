@@ -16,20 +16,28 @@ followed by that of ``hashes[k:]``. A block the pool returned for a hash stays t
 it until the pool removes it, and every removal (eviction, ``evict_blocks``, ``reset_prefix_cache``)
 resets the block's hash; caching a block packs its hash with the group id into a new object
 (``make_block_hash_with_group_id``). So a remembered block is still what vLLM would return while its
-``_block_hash`` is the very object it held when it was found (an identity test). (0.33's
-``BlockPool.move_block_hashes`` moves a hash object between blocks for Mamba groups only, which
-:func:`lookup_problem` excludes.) A lookup that finds a remembered block no longer cached replaces
-that memo with its own.
+``block_hash`` is the very object it held when it was found (an identity test; ``block_hash`` is a
+property over the field ``_block_hash`` up to vLLM 0.33, the field itself from 0.34: the same object
+either way). (``BlockPool.move_block_hashes``, 0.33+, moves a block's hashes to a copy for Mamba groups
+only, which :func:`lookup_problem` excludes; it resets the source block's hash too.) A lookup that finds
+a remembered block no longer cached replaces that memo with its own.
+
+That reasoning is about vLLM's code, which a new vLLM may change; it is checked on the engine's own
+vLLM: the first time a coordinator's hits lend blocks, vLLM's lookup of the whole request runs as well,
+and where its blocks (by identity) or hit length differ the coordinator stops reusing hits for good,
+returns vLLM's result, and one INFO line names the difference; after that a flag keeps the check free.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 import weakref
 from typing import Any, NamedTuple
 
-from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext._logging import log_once
+from mla_prefill_ext.hosts.core.shared_prefix import needs, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks, keep_latest_of_each_kind
 
 MEMOS = 8
@@ -39,8 +47,8 @@ push a shared prefix's hits out (a request the scheduler looks up again while it
 hits: it counts as shared, as in one pool it pushed others out too). A new lookup extending one takes
 its place."""
 
-_HASH_SLOT = "_block_hash"  # KVCacheBlock's field behind its block_hash property (0.20.2-0.33.0)
-_slot_of = operator.attrgetter(_HASH_SLOT)
+_HASH = "block_hash"  # KVCacheBlock's hash object while cached (None once evicted)
+_hash_of = operator.attrgetter(_HASH)
 
 
 class _Memo(NamedTuple):
@@ -48,6 +56,26 @@ class _Memo(NamedTuple):
     blocks: list[Any]  # the block vLLM returned for each
     keys: list[Any]  # each block's hash object when it was found
     shared: bool  # it took hits from a remembered lookup (one of the kinds MEMOS counts apart)
+
+
+def lookup_differs(reused: Any, own: Any) -> str | None:
+    """Where ``reused`` (a lookup's result, some blocks lent) is not ``own`` (vLLM's lookup of the same
+    request), in words; None: the same blocks (the very objects), hit length and anything after."""
+    mine, theirs = reused[0], own[0]
+    if len(mine) != len(theirs):
+        return f"{len(mine)} groups of blocks where vLLM's lookup gives {len(theirs)}"
+    for group, (a, b) in enumerate(zip(mine, theirs)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x is not y:
+                return (
+                    f"hit {i} of group {group} is block {getattr(x, 'block_id', x)} where vLLM's lookup "
+                    f"gives block {getattr(y, 'block_id', y)}"
+                )
+        if len(a) != len(b):
+            return f"{len(a)} blocks hit in group {group} where vLLM's lookup hits {len(b)}"
+    if tuple(reused[1:]) != tuple(own[1:]):
+        return f"the lookup returns {tuple(reused[1:])} after its blocks where vLLM's returns {tuple(own[1:])}"
+    return None
 
 
 def lookup_problem(coordinator: Any) -> str | None:
@@ -94,6 +122,16 @@ class PrefixHits:
         self._lock = threading.Lock()
         self.reused_hits = 0  # blocks taken from a remembered hit
         self.looked_up = 0  # blocks vLLM's lookup returned
+        # Whether the first lend was compared with vLLM's own lookup (once per coordinator).
+        self.checked = False
+        # Why this coordinator reuses no hits (None: it does).
+        self.off: str | None = None
+
+    def turn_off(self, reason: str) -> None:
+        """Reuse no more hits on this coordinator (its engine's hashes are not reused, or a lend differed)."""
+        with self._lock:
+            self.off = reason
+            self._memos.clear()
 
     def find(self, lookup: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
         """vLLM's ``find_longest_cache_hit(block_hashes, max_cache_hit_length)`` (``lookup``), reusing hits.
@@ -101,7 +139,7 @@ class PrefixHits:
         Returns what ``lookup`` returns: ``(hit_blocks, hit_tokens, ...)``, ``hit_blocks`` a tuple
         holding one list of blocks.
         """
-        if not isinstance(block_hashes, list) or not block_hashes:
+        if self.off is not None or not isinstance(block_hashes, list) or not block_hashes:
             return lookup(block_hashes, max_cache_hit_length)
         bs = self.block_size
         limit = min(len(block_hashes), max_cache_hit_length // bs)
@@ -119,12 +157,20 @@ class PrefixHits:
                 result = lookup(block_hashes[k:], max_cache_hit_length - k * bs)
                 result[0][0][0:0] = memo.blocks[:k]
                 result = (result[0], result[1] + k * bs, *result[2:])
+                if not self.checked:
+                    self.checked = True
+                    own = lookup(block_hashes, max_cache_hit_length)
+                    difference = lookup_differs(result, own)
+                    if difference is not None:
+                        self._turn_off_differing(difference)
+                        self.looked_up += len(own[0][0])
+                        return own
             hit = result[0][0]
             self.reused_hits += k
             self.looked_up += len(hit) - k
             if hit:
                 keys = memo.keys[:k] if k else []
-                keys.extend(map(_slot_of, hit[k:]))
+                keys.extend(map(_hash_of, hit[k:]))
                 self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys, k > 0), at)
         return result
 
@@ -139,14 +185,26 @@ class PrefixHits:
                 best, best_at = k, at
         return best_at, best
 
+    def _turn_off_differing(self, difference: str) -> None:
+        # Called under the lock: the memos go, the lookup that found the difference returns vLLM's.
+        self.off = f"a lent hit differs from vLLM's own lookup: {difference}"
+        self._memos.clear()
+        log_once(
+            logging.INFO,
+            ("shared-prefix-hits-differ", difference),
+            "MLA shared-prefix prefill (mla-prefill-ext): prefix-cache hits of shared prefixes no longer "
+            "reused in this engine core (%s); vLLM looks up every request.",
+            self.off,
+        )
+
     @staticmethod
     def _still_cached(memo: _Memo, k: int) -> int:
         """How many of the first ``k`` remembered blocks still hold the hash object they were found with."""
         blocks, keys = memo.blocks, memo.keys
-        if all(map(operator.is_, map(_slot_of, blocks[:k]), keys[:k])):
+        if all(map(operator.is_, map(_hash_of, blocks[:k]), keys[:k])):
             return k
         for i in range(k):
-            if getattr(blocks[i], _HASH_SLOT) is not keys[i]:
+            if getattr(blocks[i], _HASH) is not keys[i]:
                 return i
         return k
 
@@ -166,87 +224,13 @@ COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
 COORDINATOR = "UnitaryKVCacheCoordinator"
 HITS_ATTR = "_mla_prefill_ext_hits"  # on a coordinator whose engine reuses hits: its PrefixHits
 
-# What each function on the lookup's path reads in vLLM 0.20.2, 0.25.1 and 0.33.0: a name outside
-# these sets is a lookup this was not written for, and nothing is wrapped there.
-COORDINATOR_LOOKUP_MAY_READ = frozenset(
-    {
-        "block_pool",
-        "block_size",
-        "dcp_world_size",
-        "pcp_world_size",
-        "eagle_group_ids",
-        "drop_eagle_group_ids",
-        "find_longest_cache_hit",
-        "kv_cache_spec",
-        "len",
-        "single_type_managers",
-    }
-)
-MANAGER_LOOKUP_MUST_READ = frozenset({"get_cached_block", "islice"})
-MANAGER_LOOKUP_MAY_READ = MANAGER_LOOKUP_MUST_READ | {
-    "BlockHashListWithBlockSize",
-    "ChunkedLocalAttentionSpec",
-    "FullAttentionSpec",
-    "Sequence",
-    "append",
-    "block_size",
-    "cdiv",
-    "hash_block_size",
-    "isinstance",
-    "itertools",
-    "len",
-    "min",
-    "pop",
-    "range",
-    "resolve_block_hashes",
-    "supports_fine_grained_hash_lookup",
-    "tuple",
-    "zip",
-}
-POOL_LOOKUP_READS = frozenset(
-    {"append", "cached_block_hash_to_block", "get_one_block", "make_block_hash_with_group_id"}
-)
-FIRST_BLOCK_READS = frozenset({"next", "iter", "values"})  # get_one_block: the first block of a hash
 
 
-def _names(fn: Any) -> set[str]:
-    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
-    return set(code.co_names) if code is not None else set()
-
-
-def coordinator_problem(module: Any) -> str | None:
-    """Why vLLM's lookup path does not have the shape :class:`PrefixHits` was written for (None: it does)."""
-    import inspect
-
-    from vllm.v1.core import block_pool, kv_cache_utils, single_type_kv_cache_manager
-
-    cls = getattr(module, COORDINATOR, None)
-    if cls is None or "find_longest_cache_hit" not in cls.__dict__:
-        return f"{module.__name__}.{COORDINATOR}.find_longest_cache_hit is not defined there"
-    params = list(inspect.signature(cls.find_longest_cache_hit).parameters)
-    if params != ["self", "block_hashes", "max_cache_hit_length"]:
-        return f"{COORDINATOR}.find_longest_cache_hit takes {params[1:]}"
-    unknown = _names(cls.find_longest_cache_hit) - COORDINATOR_LOOKUP_MAY_READ
-    if unknown:
-        return f"{COORDINATOR}.find_longest_cache_hit reads {sorted(unknown)} (unknown here)"
-    manager = getattr(single_type_kv_cache_manager, "FullAttentionManager", None)
-    reads = _names(getattr(manager, "find_longest_cache_hit", None))
-    if MANAGER_LOOKUP_MUST_READ - reads or reads - MANAGER_LOOKUP_MAY_READ:
-        return (
-            f"FullAttentionManager.find_longest_cache_hit reads {sorted(reads - MANAGER_LOOKUP_MAY_READ)}"
-            f" and not {sorted(MANAGER_LOOKUP_MUST_READ - reads)}"
-        )
-    pool = getattr(block_pool, "BlockPool", None)
-    if _names(getattr(pool, "get_cached_block", None)) != POOL_LOOKUP_READS:
-        return "BlockPool.get_cached_block has another shape"
-    block_map = getattr(block_pool, "BlockHashToBlockMap", None)
-    if FIRST_BLOCK_READS - _names(getattr(block_map, "get_one_block", None)):
-        return "BlockHashToBlockMap.get_one_block no longer returns a hash's first block"
-    block = getattr(kv_cache_utils, "KVCacheBlock", None)
-    fields = getattr(block, "__dataclass_fields__", {})
-    if _HASH_SLOT not in fields or _HASH_SLOT not in _names(getattr(block, "reset_hash", None)):
-        return f"KVCacheBlock keeps its hash elsewhere than {_HASH_SLOT}"
-    return None
+def coordinator_problem() -> str | None:
+    """Why vLLM's lookup path does not have the shape :class:`PrefixHits` was written for (None: it does):
+    the ``hits`` rows of :data:`.needs.NEEDS` that do not hold here. What the reuse relies on beyond
+    those (the same blocks as vLLM's lookup) is compared at its first lend (:meth:`PrefixHits.find`)."""
+    return "; ".join(needs.problems("hits", needs.ANY)) or None
 
 
 _LOCAL = threading.local()  # coordinators made while an engine core is being built on this thread
@@ -266,23 +250,30 @@ def note_coordinator(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any
     return result
 
 
-def attach(on: bool) -> list[str]:
-    """The noted coordinators get a :class:`PrefixHits` when ``on`` and they can serve it; returns
-    why those that cannot do not (empty: none). Stops noting."""
+class Attached(NamedTuple):
+    hits: list[PrefixHits]  # those attached (each on one noted coordinator)
+    problems: list[str]  # why the other noted coordinators got none
+
+
+def attach(on: bool) -> Attached:
+    """The noted coordinators get a :class:`PrefixHits` when ``on`` and they can serve it; returns them
+    and why those that cannot do not. Stops noting."""
     pending, _LOCAL.pending = getattr(_LOCAL, "pending", None) or [], None
-    problems = []
+    attached = Attached([], [])
     for ref in pending:
         coordinator = ref()
         if coordinator is None:
             continue
         problem = lookup_problem(coordinator) if on else None
         if problem is not None:
-            problems.append(problem)
+            attached.problems.append(problem)
         elif on:
-            setattr(coordinator, HITS_ATTR, PrefixHits(int(coordinator.block_size)))
-            LATEST.append(weakref.ref(getattr(coordinator, HITS_ATTR)))
+            hits = PrefixHits(int(coordinator.block_size))
+            setattr(coordinator, HITS_ATTR, hits)
+            attached.hits.append(hits)
+            LATEST.append(weakref.ref(hits))
             del LATEST[:-4]
-    return problems
+    return attached
 
 
 LATEST: list[weakref.ref[PrefixHits]] = []  # the latest engines' hits (weakly: their blocks are the
@@ -297,6 +288,7 @@ def latest() -> PrefixHits | None:
 def find_longest_cache_hit(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``UnitaryKVCacheCoordinator.find_longest_cache_hit``: through the coordinator's hits, if any."""
     hits = getattr(instance, HITS_ATTR, None)
-    if hits is None or kwargs or switch.paused("hits"):
+    # Only the call PrefixHits.find knows: (block_hashes, max_cache_hit_length), positionally.
+    if hits is None or kwargs or len(args) != 2 or switch.paused("hits"):
         return wrapped(*args, **kwargs)
     return hits.find(wrapped, *args)

@@ -65,17 +65,29 @@ def runner_problem(runner: str) -> str | None:
     return f"it cannot read the block tables of vLLM's {runner} model runner ({why}){_runner_remedy(runner)}"
 
 
-def runner_outlook() -> str | None:
-    """Without an engine (``info``): why engines here would not be served by their default runner
-    (None: they would be, on either runner vLLM may pick; the instrumentor's outcome per runner)."""
+def runners_picked() -> list[str]:
+    """Without an engine: the model runners vLLM may pick here (``VLLM_USE_V2_MODEL_RUNNER``, else every
+    runner this vLLM has, as 0.25 and 0.33 pick by model; 0.34 has V2 only and 0.20 picks V1 unless told)."""
     from vllm import envs
 
+    here = needs.runners_here()
+    if needs.V1 not in here:
+        return [needs.V2]  # 0.34: the variable no longer chooses
     chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
-    runners = {True: ["V2"], False: ["V1"]}.get(chosen, needs.runners_here())
-    if needs.V1 not in needs.runners_here():
-        runners = [needs.V2]  # 0.34: the variable no longer chooses
-    unserved = [why for why in map(runner_problem, runners) if why]
-    return "; ".join(unserved) or None
+    return {True: [needs.V2], False: [needs.V1]}.get(chosen, here)
+
+
+def runner_outlook() -> tuple[bool, str]:
+    """Without an engine (``info``): whether engines here will be served by the runners vLLM may pick,
+    and what to say: ``(True, "")``, ``(True, caveat)`` where it picks an unserved one for some models
+    (0.25: V2 for some), ``(False, reason)`` where none is served."""
+    picked = runners_picked()
+    unserved = [why for why in map(runner_problem, picked) if why]
+    if not unserved:
+        return True, ""
+    if len(unserved) < len(picked):
+        return True, f"; not where vLLM picks another runner for a model: {'; '.join(unserved)}"
+    return False, "; ".join(unserved)
 
 
 def exclusions(vllm_config: Any) -> list[str]:
@@ -139,12 +151,11 @@ def decide_and_say(vllm_config: Any) -> PathDecision:
 
 # --- pausing parts of the path in a running process (benchmarks: on and off in one engine lifetime) ---
 
-PARTS = ("plan", "route", "hashes", "hits", "gather", "prompts")
+PARTS = ("plan", "route", "hashes", "hits", "gather")
 """The path's parts, each of which :func:`pause` can stop: the step's shared-prefix plan (``plan``,
 :mod:`.step`), short extends routed to it (``route``, :mod:`.routing`), the engine core's reuse of block
-hashes (``hashes``, :mod:`.prefix_hashes`) and of prefix-cache hits (``hits``, :mod:`.prefix_hits`), its
-gathering of a burst (``gather``, :mod:`.arrivals`), and the runner's copy of a shared prefix's prompt
-tokens from a request already in its batch (``prompts``, :mod:`.prompt_rows`)."""
+hashes (``hashes``, :mod:`.prefix_hashes`) and of prefix-cache hits (``hits``, :mod:`.prefix_hits`), and
+its gathering of a burst (``gather``, :mod:`.arrivals`)."""
 
 IMPLIED = {"plan": ("route",), "hashes": ("gather",)}
 """Parts that pausing another pauses too: a routed step without its plan would up-project every short
