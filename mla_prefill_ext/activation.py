@@ -237,7 +237,9 @@ def deactivate() -> None:
     if ENGINE_CORE_PATH_MODULE in sys.modules and VLLM_ENGINE_CORE_MODULE in sys.modules:
         sys.modules[ENGINE_CORE_PATH_MODULE].INSTRUMENTOR.uninstrument(sys.modules[VLLM_ENGINE_CORE_MODULE])
     if SHARED_PREFIX_MODULE in sys.modules:
-        sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument()
+        from mla_prefill_ext.mla_layers import MLA_MODULE
+
+        sys.modules[SHARED_PREFIX_MODULE].INSTRUMENTOR.uninstrument(sys.modules.get(MLA_MODULE))
     if f"{BRIDGE_HOST}.bridge" in sys.modules:
         sys.modules[BRIDGE_HOST].uninstrument()
     if STOCK_GUARD_MODULE in sys.modules:

@@ -106,8 +106,8 @@ def _shared_prefix_state() -> dict[str, Any]:
 
     module = sys.modules.get(SHARED_PREFIX_MODULE)
     path = getattr(module, "INSTRUMENTOR", None)
-    if path is None or not path.instrumented:
-        why = getattr(path, "problem", None) or "vLLM's MLA layer is not patched or bridged here"
+    if path is None or not path.is_instrumented():
+        why = (path and path.state().skipped_reason) or "vLLM's MLA layer is not patched or bridged here"
         return {
             "on": False,
             "reason": (

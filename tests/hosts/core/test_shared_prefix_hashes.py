@@ -163,17 +163,105 @@ def test_requests_with_extra_keys_are_left_to_vllm(vllm_hasher, extra):
     assert reusing.reused_blocks == 10
 
 
-def test_a_wrong_prefix_match_is_caught(vllm_hasher, monkeypatch):
-    """The check above can fail: a matcher that trusts the first block alone hands out other
-    prompts' hashes, and the comparison with vLLM's hasher sees it."""
+def _first_block_matcher(monkeypatch):
+    """A matcher that trusts the first block alone: it hands out other prompts' hashes."""
     monkeypatch.setattr(
         prefix_hashes, "common_blocks", lambda a, b, bs, limit, guess=0: limit if a[:bs] == b[:bs] else 0
     )
+
+
+def test_a_wrong_prefix_match_is_caught(vllm_hasher, monkeypatch):
+    """The check above can fail: with a wrong matcher, in a hasher whose first lend was right (its own
+    comparison with vLLM's done), the comparison with vLLM's hasher sees the wrong hashes."""
+    _first_block_matcher(monkeypatch)
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    reusing.checked = True
     wrong = 0
     for tokens in batches(0):
         wrong += request(tokens, reusing).block_hashes != request(tokens, vllm_hasher()).block_hashes
     assert wrong > 0
+
+
+def test_a_wrong_first_reuse_turns_the_reuse_off_and_returns_vllms_hashes(
+    vllm_hasher, monkeypatch, addon_log
+):
+    """The engine's own check: the first request that takes hashes is hashed by vLLM too; where the two
+    differ (here a wrong matcher), that request gets vLLM's hashes, the hasher reuses nothing from then
+    on, and one INFO line names the difference."""
+    import logging
+
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    _first_block_matcher(monkeypatch)
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    for tokens in batches(0):
+        assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert reusing.off is not None and "hashes differently" in reusing.off
+    assert reusing.reused_blocks == 0
+    lines = [r.getMessage() for r in addon_log if "turned off in this engine core" in r.getMessage()]
+    assert len(lines) == 1 and reusing.off in lines[0]
+
+
+def _lend_one_block_too_many(monkeypatch):
+    """A donor lookup that lends one block more than the request shares with it (where the donor has one)."""
+    real = ReusingHasher._longest
+
+    def longest(self, tokens, head, full):
+        at, k = real(self, tokens, head, full)
+        return (at, k + 1) if k and k < min(full, len(self._donors[at].hashes)) else (at, k)
+
+    monkeypatch.setattr(ReusingHasher, "_longest", longest)
+
+
+def test_one_block_lent_too_many_turns_the_reuse_off_with_its_followers(vllm_hasher, monkeypatch, addon_log):
+    """A lend of one block too many (a donor lookup off by one) is caught at the first lend: vLLM's hashes
+    are returned, the difference is named, the engine's prefix-cache hits (a follower) stop too, the
+    gathering no longer sees the request sharing, and later requests are hashed by vLLM alone."""
+    import logging
+
+    from mla_prefill_ext.hosts.core.shared_prefix import arrivals
+    from mla_prefill_ext.hosts.core.shared_prefix.prefix_hits import PrefixHits
+
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    hits = PrefixHits(BLOCK)
+    reusing.followers.append(hits)
+    prefix = list(range(1_000_000, 1_000_000 + 8 * BLOCK))
+    donor = request([*prefix, *range(5 * BLOCK)], reusing)  # noqa: F841 (in flight: it lends)
+    _lend_one_block_too_many(monkeypatch)
+    tokens = [*prefix, *range(7, 7 + 3 * BLOCK)]
+    taker = request(tokens, reusing)
+    assert taker.block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert reusing.off == "the first reused hashes differ from vLLM's own: block 8 of 11 hashes differently"
+    assert hits.off is not None and reusing.off in hits.off
+    assert not arrivals.shares_a_prefix(reusing, {taker.request_id})
+    assert reusing.reused_blocks == 0
+    assert [r.getMessage() for r in addon_log if reusing.off in r.getMessage()]
+    monkeypatch.undo()  # a right lookup again: still off for this engine
+    again = request([*prefix, 9], reusing)
+    assert again.block_hashes == request([*prefix, 9], vllm_hasher()).block_hashes
+    assert reusing.reused_blocks == 0
+
+
+def test_the_first_reuse_is_compared_once(vllm_hasher):
+    """A right first lend keeps the reuse on; vLLM's hasher runs once more for that request only."""
+    calls = []
+    inner = vllm_hasher()
+
+    def counted(r):
+        calls.append(len(r.block_hashes))  # the hashes the request held: 0 means from its first block
+        return inner(r)
+
+    reusing = ReusingHasher(counted, BLOCK)
+    prefix = list(range(1_100_000, 1_100_000 + 16 * BLOCK))
+    lender = request([*prefix, 1], reusing)  # noqa: F841 (in flight: it lends)
+    assert calls == [0]
+    for i in range(3):
+        tokens = [*prefix, *[i] * BLOCK]
+        assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+    assert reusing.checked and reusing.off is None and reusing.reused_blocks == 3 * 16
+    # The first lend: vLLM's hasher after the lent hashes, then from the first block (the comparison);
+    # the later lends: after the lent hashes only.
+    assert calls == [0, 16, 0, 16, 16]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -211,23 +299,59 @@ def core_modules():
 
 
 def test_this_vllms_engine_core_has_the_shape(core_modules):
-    assert engine_core.problem(*core_modules) is None
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    assert engine_core.problem() is None
+    assert [row.part for row in needs.rows("hashes", needs.ANY)] == ["hashes"] * 4
 
 
-def test_another_shape_wraps_nothing_and_says_why(core_modules, addon_log):
+@pytest.mark.parametrize(
+    ("target", "replacement", "said"),
+    [
+        (
+            "EngineCore._initialize_kv_caches",
+            lambda self: None,
+            "EngineCore._initialize_kv_caches lacks parameters ['vllm_config']",
+        ),
+        (
+            "get_request_block_hasher",
+            lambda block_size, hash_fn: None,
+            "lacks parameters ['caching_hash_fn']",
+        ),
+    ],
+)
+def test_another_shape_wraps_nothing_and_says_why(
+    core_modules, addon_log, monkeypatch, target, replacement, said
+):
+    """A row of the hashes' table (needs.py) that does not hold in this vLLM (here made not to): nothing
+    wrapped, the row named in the report and in one INFO line."""
     import logging
-    import types
 
     logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
     core, _ = core_modules
-    moved = types.ModuleType(core.__name__)
-    moved.EngineCore = type("EngineCore", (), {})
-    assert not engine_core.INSTRUMENTOR.instrument(moved)
-    assert (
-        "EngineCore._initialize_kv_caches is not defined there"
-        in engine_core.INSTRUMENTOR.report()["problem"]
+    owner, _, name = target.rpartition(".")
+    monkeypatch.setattr(getattr(core, owner) if owner else core, name, replacement)
+    assert not engine_core.INSTRUMENTOR.instrument(core)
+    assert said in engine_core.INSTRUMENTOR.report()["problem"]
+    assert not isinstance(core.get_request_block_hasher, wrapt.FunctionWrapper)
+    assert any(
+        "block hashes and prefix-cache hits not reused" in r.getMessage() and said in r.getMessage()
+        for r in addon_log
     )
-    assert any("block hashes and prefix-cache hits not reused" in r.getMessage() for r in addon_log)
+
+
+def test_a_factory_whose_first_argument_is_no_block_size_is_left_to_vllm(
+    core_modules, model_dirs, clean_selection
+):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from mla_prefill_ext.testing import vllm_host as host
+
+    core, _ = core_modules
+    clean_selection.delenv("MLA_PREFILL_SHARED_PREFIX", raising=False)
+    assert engine_core.INSTRUMENTOR.instrument(core)
+    _engine_config_seen(core, host.make_vllm_config(model_dirs["plain"]))
+    assert not isinstance(core.get_request_block_hasher("16", get_hash_fn_by_name("sha256")), ReusingHasher)
 
 
 def _engine_config_seen(core, config):
@@ -338,13 +462,17 @@ def test_a_new_none_hash_drops_the_donors(vllm_hasher):
         kv_cache_utils.NONE_HASH = before
 
 
-def test_without_the_epoch_a_new_none_hash_is_missed(vllm_hasher, monkeypatch):
+@pytest.mark.parametrize("checked", [True, False])
+def test_without_the_epoch_a_new_none_hash_is_missed(vllm_hasher, checked):
     """The check above can fail: without the epoch the donors' old chains are handed out (unless vLLM
-    drew the same NONE_HASH, as with a fixed PYTHONHASHSEED)."""
+    drew the same NONE_HASH, as with a fixed PYTHONHASHSEED) where the hasher's first lend was compared
+    already; where this is its first lend, its own comparison with vLLM's hasher catches it and turns
+    the reuse off."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
     reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    reusing.checked = checked
     tokens = list(range(7 * BLOCK))
     running = request(tokens, reusing)  # noqa: F841 (in flight: it lends)
     before = kv_cache_utils.NONE_HASH
@@ -352,7 +480,9 @@ def test_without_the_epoch_a_new_none_hash_is_missed(vllm_hasher, monkeypatch):
     try:
         if kv_cache_utils.NONE_HASH == before:
             pytest.skip("vLLM drew the same NONE_HASH (PYTHONHASHSEED is set)")
-        assert request(tokens, reusing).block_hashes != request(tokens, vllm_hasher()).block_hashes
+        same = request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
+        assert same is not checked
+        assert (reusing.off is None) is checked
     finally:
         kv_cache_utils.NONE_HASH = before
 

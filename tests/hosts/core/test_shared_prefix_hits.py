@@ -15,7 +15,7 @@ import random
 import pytest
 import wrapt
 
-from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hits
+from mla_prefill_ext.hosts.core.shared_prefix import engine_core, prefix_hashes, prefix_hits
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hits import HITS_ATTR, PrefixHits
 
 BLOCK = 16
@@ -74,17 +74,19 @@ def request(tokens, hasher, rid):
     )
 
 
-def with_hits(kv_manager) -> PrefixHits:
-    """``kv_manager``'s coordinator looking up through a PrefixHits, as the engine core's wrapper does."""
+def with_hits(kv_manager, checked: bool = False) -> PrefixHits:
+    """``kv_manager``'s coordinator looking up through a PrefixHits, as the engine core's wrapper does
+    (``checked``: as if its first lend had been compared with vLLM's lookup already)."""
     coordinator = kv_manager.coordinator
     assert prefix_hits.lookup_problem(coordinator) is None
     hits = PrefixHits(BLOCK)
+    hits.checked = checked
     lookup = coordinator.find_longest_cache_hit
     coordinator.find_longest_cache_hit = lambda hashes, max_len: hits.find(lookup, hashes, max_len)
     return hits
 
 
-def lockstep(seed: int, hasher, num_blocks: int, hits_manager=None, plain_manager=None):
+def lockstep(seed: int, hasher, num_blocks: int, hits_manager=None, plain_manager=None, checked=False):
     """A seeded run of requests over shared prefixes through both managers; returns the hits' counts.
 
     Each request is looked up, allocated (its blocks cached), and later freed; the pool is small
@@ -93,7 +95,7 @@ def lockstep(seed: int, hasher, num_blocks: int, hits_manager=None, plain_manage
     rng = random.Random(seed)
     fast = hits_manager or manager(num_blocks)
     plain = plain_manager or manager(num_blocks)
-    hits = with_hits(fast)
+    hits = with_hits(fast, checked)
 
     def toks(n):
         return [rng.randrange(VOCAB) for _ in range(n)]
@@ -157,11 +159,85 @@ def test_sixteen_requests_over_one_prefix_look_it_up_once(hasher):
 
 def test_without_the_eviction_check_a_stale_hit_is_caught(hasher, monkeypatch):
     """A PrefixHits that trusts a remembered block without checking it was not evicted hands out
-    blocks that now hold other tokens: the lockstep comparison must see it."""
+    blocks that now hold other tokens: the lockstep comparison must see it (where the first lend was
+    compared and right, as in an engine that lent before the evictions)."""
     monkeypatch.setattr(PrefixHits, "_still_cached", staticmethod(lambda memo, k: k))
     with pytest.raises(AssertionError, match="a hit vLLM would not give"):
         for seed in range(6):
-            lockstep(seed, hasher, num_blocks=64)
+            lockstep(seed, hasher, num_blocks=64, checked=True)
+
+
+def _cached(kv, tokens, hasher, rid):
+    """A request looked up, allocated (its full blocks cached) and freed; its computed-token count."""
+    req = request(tokens, hasher, rid)
+    computed, n = kv.get_computed_blocks(req)[:2]
+    kv.allocate_slots(req, req.num_tokens - n, n, computed)
+    kv.free(req)
+    return n
+
+
+def test_a_stale_first_lend_turns_the_hits_off_and_returns_vllms_lookup(hasher, monkeypatch, addon_log):
+    """Without the eviction check, a first lend of blocks a cache reset took back is caught by the
+    coordinator's own comparison with vLLM's lookup: vLLM's result is returned, the hits are off for
+    good, one INFO line names the difference."""
+    import logging
+
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    kv, plain = manager(4096), manager(4096)
+    hits = with_hits(kv)
+    prefix = list(range(1, 32 * BLOCK + 1))
+    assert _cached(kv, [*prefix, 1], hasher, "a") == 0  # cached; the lookup found nothing to remember
+    _cached(plain, [*prefix, 1], hasher, "a")
+    assert _cached(kv, [*prefix, 2], hasher, "b") == 32 * BLOCK  # remembered
+    assert kv.reset_prefix_cache() and plain.reset_prefix_cache()
+    other = list(range(50_000, 50_000 + 40 * BLOCK))  # the freed blocks cached again, with other tokens
+    for m in (kv, plain):
+        _cached(m, other, hasher, "c")
+    monkeypatch.setattr(PrefixHits, "_still_cached", staticmethod(lambda memo, k: k))
+    req = request([*prefix, 3], hasher, "d")
+    got, want = kv.get_computed_blocks(req)[:2], plain.get_computed_blocks(req)[:2]
+    assert ([b.block_id for b in got[0].blocks[0]], got[1]) == (
+        [b.block_id for b in want[0].blocks[0]],
+        want[1],
+    )
+    assert got[1] == 0 and hits.reused_hits == 0
+    assert hits.off == (
+        "a lent hit differs from vLLM's own lookup: 32 blocks hit in group 0 where vLLM's lookup hits 0"
+    )
+    assert [r.getMessage() for r in addon_log if hits.off in r.getMessage()]
+
+
+def test_a_memo_holding_a_wrong_block_turns_the_hits_off_and_returns_vllms_lookup(hasher, addon_log):
+    """A memo that holds another cached block in one place (its hash object too, so the eviction check
+    passes): the first lend is compared with vLLM's lookup, which returns the right block; the hits are
+    off from then on, and vLLM's lookups are returned."""
+    import logging
+
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
+    kv, plain = manager(4096), manager(4096)
+    hits = with_hits(kv)
+    prefix = list(range(1, 24 * BLOCK + 1))
+    other = list(range(70_000, 70_000 + 8 * BLOCK))
+    for m in (kv, plain):
+        _cached(m, [*prefix, 1], hasher, "a")
+        _cached(m, [*other, 1], hasher, "o")
+    assert _cached(kv, [*prefix, 2], hasher, "b") == 24 * BLOCK  # remembered
+    _cached(plain, [*prefix, 2], hasher, "b")
+    memo = hits._memos[0]
+    wrong = kv.coordinator.find_longest_cache_hit(request([*other, 1], hasher, "x").block_hashes, 8 * BLOCK)[
+        0
+    ][0][3]
+    memo.blocks[5], memo.keys[5] = wrong, wrong.block_hash
+    req = request([*prefix, 3], hasher, "c")
+    got, want = kv.get_computed_blocks(req)[:2], plain.get_computed_blocks(req)[:2]
+    assert [b.block_id for b in got[0].blocks[0]] == [b.block_id for b in want[0].blocks[0]]
+    assert got[1] == want[1] == 24 * BLOCK
+    assert hits.off is not None and f"hit 5 of group 0 is block {wrong.block_id}" in hits.off
+    lines = [r.getMessage() for r in addon_log if "no longer reused" in r.getMessage()]
+    assert len(lines) == 1 and hits.off in lines[0]
+    before = hits.looked_up
+    assert _cached(kv, [*prefix, 4], hasher, "d") == 24 * BLOCK
+    assert hits.reused_hits == 0 and hits.looked_up == before  # vLLM's own lookup, uncounted here
 
 
 def test_lookups_it_cannot_take_apart_are_left_to_vllm():
@@ -184,20 +260,46 @@ def core_module():
 
 
 def test_this_vllms_lookup_has_the_shape():
-    assert prefix_hits.coordinator_problem(importlib.import_module(prefix_hits.COORDINATOR_MODULE)) is None
+    from mla_prefill_ext.hosts.core.shared_prefix import needs
+
+    assert prefix_hits.coordinator_problem() is None
+    assert len(needs.rows("hits", needs.ANY)) == 5
 
 
-def test_another_lookup_shape_wraps_nothing(core_module, monkeypatch):
+def test_the_hash_object_a_block_holds_is_the_one_vllm_cached_and_goes_with_eviction(hasher):
+    """What the memo's identity test reads (``KVCacheBlock.block_hash``: a field on 0.34, a property
+    before): the object vLLM's pool cached the block under, the same object each time read, None once
+    the block is evicted."""
+    kv = manager(64)
+    _cached(kv, list(range(1, 4 * BLOCK + 1)), hasher, "a")
+    block = kv.block_pool.blocks[1]
+    held = block.block_hash
+    assert held is not None and block.block_hash is held
+    assert kv.block_pool.cached_block_hash_to_block.get_one_block(held) is block
+    assert kv.reset_prefix_cache()
+    assert block.block_hash is None
+
+
+@pytest.mark.parametrize(
+    ("target", "replacement", "said"),
+    [
+        (
+            "find_longest_cache_hit",
+            lambda self, block_hashes, max_length: None,
+            "find_longest_cache_hit lacks parameters ['max_cache_hit_length']",
+        ),
+        ("__init__", lambda self, kv_cache_config: None, "lacks parameters ['use_eagle'"),
+    ],
+)
+def test_another_lookup_shape_wraps_nothing(core_module, monkeypatch, target, replacement, said):
+    """A row of the hits' table (needs.py) that does not hold here: nothing wrapped, the row named."""
     coordinators = importlib.import_module(prefix_hits.COORDINATOR_MODULE)
-    monkeypatch.setattr(prefix_hits, "COORDINATOR_LOOKUP_MAY_READ", frozenset({"single_type_managers"}))
-    assert not engine_core.INSTRUMENTOR.instrument(core_module)
-    assert (
-        "UnitaryKVCacheCoordinator.find_longest_cache_hit reads"
-        in engine_core.INSTRUMENTOR.report()["problem"]
-    )
-    assert not isinstance(core_module.get_request_block_hasher, wrapt.FunctionWrapper)
     cls = coordinators.UnitaryKVCacheCoordinator
-    assert not isinstance(cls.__dict__["find_longest_cache_hit"], wrapt.FunctionWrapper)
+    monkeypatch.setattr(cls, target, replacement)
+    assert not engine_core.INSTRUMENTOR.instrument(core_module)
+    assert said in engine_core.INSTRUMENTOR.report()["problem"]
+    assert not isinstance(core_module.get_request_block_hasher, wrapt.FunctionWrapper)
+    assert not isinstance(cls.__dict__[target], wrapt.FunctionWrapper)
 
 
 def _engine_built(core, config):
@@ -219,8 +321,9 @@ def test_the_engine_cores_coordinator_reuses_hits_when_on(core_module, model_dir
     assert engine_core.INSTRUMENTOR.instrument(core_module)
     config = host.make_vllm_config(model_dirs["plain"])
     kv = _engine_built(core_module, config)
-    core_module.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
+    reusing = core_module.get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
     assert isinstance(getattr(kv.coordinator, HITS_ATTR, None), PrefixHits)
+    assert reusing.followers == [getattr(kv.coordinator, HITS_ATTR)]  # off with the engine's hash reuse
     plain = manager(256)
     prompt = list(range(40 * BLOCK))
     for i in range(3):
@@ -309,7 +412,40 @@ def test_a_coordinator_noted_for_an_engine_that_never_makes_its_hasher_is_not_pi
     del kv
     gc.collect()
     assert ref() is None
-    assert prefix_hits.attach(True) == []  # the engine it was noted for is gone: nothing attached
+    assert prefix_hits.attach(True) == ([], [])  # the engine it was noted for is gone: nothing attached
+
+
+def test_hits_turned_off_by_their_engines_hash_reuse_look_up_as_vllm(hasher):
+    """The engine's hash reuse turned off (its first reuse differed from vLLM's hashes) takes its
+    coordinator's hits with it: vLLM's lookup from then on, memos dropped."""
+    kv = manager(4096)
+    hits = with_hits(kv)
+    prefix = list(range(1, 16 * BLOCK + 1))
+    _cached(kv, [*prefix, 1], hasher, "a")
+    _cached(kv, [*prefix, 2], hasher, "b")
+    reusing = prefix_hashes.ReusingHasher(hasher, BLOCK)
+    reusing.followers.append(hits)
+    reusing._turn_off("a test says so")
+    assert hits.off is not None and "a test says so" in hits.off and not hits._memos
+    assert _cached(kv, [*prefix, 3], hasher, "c") == 16 * BLOCK
+    assert hits.reused_hits == 0
+
+
+def test_a_lookup_called_otherwise_is_vllms(hasher):
+    """The wrapper serves only find_longest_cache_hit(block_hashes, max_cache_hit_length) positionally."""
+    kv = manager(256)
+    hits = PrefixHits(BLOCK)
+    setattr(kv.coordinator, HITS_ATTR, hits)
+    calls = []
+
+    def lookup(*args, **kwargs):
+        calls.append((args, kwargs))
+        return ([],), 0
+
+    for args, kwargs in [((["h"], 64, "more"), {}), ((["h"],), {"max_cache_hit_length": 64})]:
+        prefix_hits.find_longest_cache_hit(lookup, kv.coordinator, args, kwargs)
+    assert calls == [((["h"], 64, "more"), {}), ((["h"],), {"max_cache_hit_length": 64})]
+    assert hits.looked_up == 0
 
 
 def test_paused_vllm_looks_every_block_up_and_the_reuse_resumes_after(hasher, paused_parts):

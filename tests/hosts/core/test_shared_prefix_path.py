@@ -171,14 +171,14 @@ def test_the_path_wraps_vllms_context_code_where_it_has_the_known_shape(activate
 
     path = _path()
     if versions.installed_vllm_version() in versions.TESTED:
-        assert path.instrumented, path.problem
+        assert path.is_instrumented(), path.state().skipped_reason
         # Each runner this vLLM has is served (0.20 and 0.25: V1, whose V2 builders lack req_idx).
         served = {r for r, why in block_tables.RUNNER_PROBLEMS.items() if why is None}
         line = versions.release(versions.installed_vllm_version())[:2]
         assert served == ({"V1", "V2"} if line == (0, 33) else {"V2"} if line >= (0, 34) else {"V1"})
         assert needs.runners_here() == (["V2"] if line >= (0, 34) else ["V1", "V2"])
-    elif not path.instrumented:
-        assert path.problem and "vLLM" in path.problem
+    elif not path.is_instrumented():
+        assert path.state().skipped_reason and "vLLM" in path.state().skipped_reason
 
 
 @pytest.mark.parametrize("row", range(7))
@@ -198,8 +198,8 @@ def test_a_row_of_the_table_that_does_not_hold_leaves_vllm_untouched_with_its_re
         broken = need._replace(check=lambda obj: "was changed (this test)")
         monkeypatch.setattr(needs, "NEEDS", tuple(broken if n is need else n for n in needs.NEEDS))
         assert not _path().instrument(activated)
-        assert not _path().wrappers.installed
-        assert f"{need.module}.{path} was changed (this test)" in _path().problem
+        assert not _path().state().wrappers.installed
+        assert f"{need.module}.{path} was changed (this test)" in _path().state().skipped_reason
     finally:
         monkeypatch.undo()
         mla_prefill_ext.activate()
@@ -207,15 +207,15 @@ def test_a_row_of_the_table_that_does_not_hold_leaves_vllm_untouched_with_its_re
             from mla_prefill_ext.hosts import vllm_0_23
 
             importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
-    assert _path().instrumented
+    assert _path().is_instrumented()
 
 
 def test_a_shared_prefix_is_projected_once_and_the_step_matches_the_reference(
     activated, runner, model_dirs, small_groups_pay
 ):
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     before = path.report()["steps_with_segments"]
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
@@ -255,8 +255,8 @@ def test_a_shared_prefix_longer_than_the_workspace_takes_several_passes(
 ):
     """80 shared tokens and a 64-row workspace: the segment runs in two passes, merged by LSE."""
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
     result = run_step(cfg, build_layer(cfg, None), activated, shared=LONG_SHARED)
     plan = result["shared"].plan
@@ -272,8 +272,8 @@ def test_a_shared_prefix_longer_than_the_workspace_takes_several_passes(
 def test_a_prefix_too_small_to_pay_is_left_to_vllm(activated, model_dirs):
     """With the default guard, 2 x 32 shared rows saved are not worth a segment's launches."""
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
     result = run_step(cfg, build_layer(cfg, None), activated)
     assert result["shared"] is None
@@ -285,8 +285,8 @@ def test_turned_off_the_step_runs_vllms_own_context_path(
     activated, model_dirs, clean_selection, addon_log, small_groups_pay
 ):
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX", "0")
     logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
     cfg = host.make_vllm_config(model_dirs["yarn"])
@@ -305,8 +305,8 @@ def test_a_wrong_shared_path_fails_the_same_check(activated, model_dirs, small_g
     from mla_prefill_ext.shared_prefix import execute
 
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
     original = execute.compute_context
@@ -417,8 +417,8 @@ def test_the_builder_splits_a_routed_step_at_the_lowered_threshold(activated, mo
     from mla_prefill_ext.hosts.core.shared_prefix import routing
 
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
     builder = make_builder(cfg, [layer], None)
@@ -446,15 +446,15 @@ def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activ
     from mla_prefill_ext.hosts.core.shared_prefix import needs
 
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     context = next(n for n in needs.rows("plan", needs.ANY) if "_compute_prefill_context" in n.attributes[0])
     owner_name, _, name = needs.resolve(context, activated)[0].rpartition(".")
     owner = getattr(activated, owner_name)
     assert isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
     mla_prefill_ext.deactivate()
     try:
-        assert not path.instrumented and not path.wrappers.installed
+        assert not path.is_instrumented() and not path.state().wrappers.installed
         assert not isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
     finally:
         mla_prefill_ext.activate()
@@ -462,7 +462,7 @@ def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activ
             from mla_prefill_ext.hosts import vllm_0_23
 
             importlib.import_module(vllm_0_23.PREFILL_PACKAGE)
-    assert path.instrumented and isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
+    assert path.is_instrumented() and isinstance(owner.__dict__[name], wrapt.FunctionWrapper)
 
 
 def test_a_failure_while_planning_leaves_vllms_own_step(activated, model_dirs, small_groups_pay, monkeypatch):
@@ -471,8 +471,8 @@ def test_a_failure_while_planning_leaves_vllms_own_step(activated, model_dirs, s
     from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
 
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     original = TorchSDPAPrefillBackend.prepare_metadata
     failed = []
 
@@ -555,8 +555,8 @@ def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshol
     from mla_prefill_ext.hosts.core.shared_prefix import block_tables, needs, routing
 
     path = _path()
-    if not path.instrumented:
-        pytest.skip(f"the shared-prefix path is not available here: {path.problem}")
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
     cfg = host.make_vllm_config(model_dirs["yarn"])
     layer = build_layer(cfg, None)
     paused_parts(["plan"])

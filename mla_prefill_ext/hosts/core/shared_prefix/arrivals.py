@@ -146,9 +146,10 @@ def _activity(instance: Any) -> InputActivity:
 
 def shares_a_prefix(hasher: Any, request_ids: Any) -> bool:
     """Whether one of ``request_ids`` has at least :data:`MIN_SHARED_TOKENS` leading tokens in common
-    with a recent request (the reusing hasher's ``sharing``; vLLM's own hasher: never)."""
-    if not isinstance(hasher, ReusingHasher):
-        return False
+    with a recent request (the reusing hasher's ``sharing``; vLLM's own hasher, or a reusing one turned
+    off: never)."""
+    if not isinstance(hasher, ReusingHasher) or hasher.off is not None:
+        return False  # vLLM's hasher, or a reuse its first comparison with vLLM's turned off
     return any(tokens >= MIN_SHARED_TOKENS and rid in request_ids for rid, tokens in tuple(hasher.sharing))
 
 
@@ -183,19 +184,30 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
     """``EngineCoreProc._process_input_queue()``: vLLM's wait for work; from idle, a burst over a
     shared prefix gathered after it."""
     hasher = getattr(instance, "request_block_hasher", None)
+    scheduler = getattr(instance, "scheduler", None)
+    requests = getattr(instance, "input_queue", None)
     # Busy: new requests join at step boundaries, as in vLLM. vLLM's hasher (not an MLA model, the
-    # path off, hashes that look ahead): nothing is known about shared prefixes, nothing to wait for.
-    if instance.has_work() or not isinstance(hasher, ReusingHasher) or switch.paused("gather"):
+    # path off, hashes that look ahead, a reuse turned off): nothing is known about shared prefixes,
+    # nothing to wait for. An engine core without the scheduler, queue or configuration this reads (a
+    # vLLM of another shape) runs as vLLM's too.
+    if (
+        instance.has_work()
+        or not isinstance(hasher, ReusingHasher)
+        or hasher.off is not None
+        or switch.paused("gather")
+        or not hasattr(scheduler, "requests")
+        or not callable(getattr(requests, "get", None))
+        or not hasattr(instance, "vllm_config")
+    ):
         return wrapped(*args, **kwargs)
     # Only what the wait takes counts (an idle scheduler can still hold finished requests' entries).
-    idle = set(getattr(instance.scheduler, "requests", ()))
+    idle = set(scheduler.requests)
     result = wrapped(*args, **kwargs)
     if not instance.is_running() or not _window(instance):
         return result
-    new = set(getattr(instance.scheduler, "requests", ())) - idle
+    new = set(scheduler.requests) - idle
     if not shares_a_prefix(hasher, new):
         return result
-    requests = instance.input_queue
     taken = gather(
         lambda timeout: requests.get(timeout=timeout),
         lambda item: _handle_request(instance, item),

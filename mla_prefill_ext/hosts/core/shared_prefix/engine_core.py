@@ -2,7 +2,7 @@
 and a burst of requests over it started in one step.
 
 Wrappers in ``vllm.v1.engine.core`` (``hosts.VLLM_ENGINE_CORE_MODULE``, hooked by activation; as
-in vLLM 0.20.2, 0.25.1 and 0.33.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
+in vLLM 0.20.2, 0.25.1, 0.33.0 and 0.34.0) and two in ``vllm.v1.core.kv_cache_coordinator``, all or none:
 ``EngineCore._initialize_kv_caches(vllm_config)``, which ``EngineCore.__init__`` calls after vLLM
 loaded its plugins (the add-on activates there) and before it makes the block hasher, notes the
 engine's configuration; the module's binding of ``get_request_block_hasher`` then returns a
@@ -15,6 +15,12 @@ idle engine core, timed by ``EngineCoreProc.preprocess_add_request`` (:mod:`.arr
 loop has the shape checked by :func:`arrival_problem` (else one INFO line, and the reuse stays). When a
 module has another shape nothing is wrapped and one INFO line says why: vLLM hashes and looks up every
 request's blocks and steps at its first request.
+
+The shapes are the rows of :data:`.needs.NEEDS` for the parts ``hashes``, ``hits`` and ``gather``
+(signatures and attributes, nothing read from vLLM's bytecode). What the reuse relies on beyond them is
+checked against vLLM itself in each engine: its first reused hashes against vLLM's hasher, its
+coordinator's first lent hits against vLLM's lookup; a difference turns that engine's reuse off with one
+INFO line (:mod:`.prefix_hashes`, :mod:`.prefix_hits`).
 """
 
 from __future__ import annotations
@@ -23,14 +29,13 @@ import importlib
 import inspect
 import logging
 import threading
-import types
 from types import ModuleType
 from typing import Any
 
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
-from mla_prefill_ext.hosts.core.shared_prefix import arrivals, prefix_hits, switch
+from mla_prefill_ext.hosts.core.shared_prefix import arrivals, needs, prefix_hits, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 from mla_prefill_ext.settings import gather_window_ms
 
@@ -39,127 +44,24 @@ KV_INIT = "EngineCore._initialize_kv_caches"
 FACTORY = "get_request_block_hasher"
 LOOKAHEAD = "num_hash_lookahead_tokens"  # vLLM 0.33+: hashes that also cover the drafter's next tokens
 
-# Every name the hasher vLLM's factory returns reads (0.20.2, 0.25.1; 0.33.0 adds its lookahead and
-# multimodal window), those it must read, and what each source of vLLM's extra keys reads: a name
-# outside these sets is a vLLM this was not written for (a new input to a block's hash would make two
-# plain requests' equal tokens hash differently), so nothing is wrapped there.
-HASHER_MUST_READ = frozenset(
-    {"block_hashes", "num_tokens", "all_token_ids", "generate_block_hash_extra_keys", "hash_block_tokens"}
-)
-HASHER_MAY_READ = HASHER_MUST_READ | {
-    "append",
-    "len",
-    "generate_lookahead_block_hash_extra_keys",
-    "get_mm_features_in_window",
-    "mm_features",
-    "mm_position",
-    "offset",
-    "length",
-}
-EXTRA_KEYS_READ = frozenset(
-    {
-        "_gen_mm_extra_hash_keys",
-        "_gen_lora_extra_hash_keys",
-        "_gen_prompt_embeds_extra_hash_keys",
-        "cache_salt",
-        "tuple",
-    }
-)
-# Each source, what it may read (the request field it starts from is one of those a plain request has
-# empty, prefix_hashes.is_plain).
-EXTRA_KEY_SOURCES = {
-    "_gen_mm_extra_hash_keys": {
-        "mm_features",
-        "append",
-        "identifier",
-        "len",
-        "length",
-        "mm_position",
-        "offset",
-    },
-    "_gen_lora_extra_hash_keys": {"lora_request", "lora_name", "lora_path"},
-    "_gen_prompt_embeds_extra_hash_keys": {
-        "prompt_embeds",
-        "_prompt_embeds_per_block_hashes",
-        "digest",
-        "get",
-        "hashlib",
-        "sha256",
-        "tensor_data",
-    },
-}
-
 _LOCAL = threading.local()  # the configuration of the engine core being built on this thread
 
 
-def _code_names(obj: Any) -> tuple[str, ...]:
-    code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
-    return code.co_names if code is not None else ()
+def problem() -> str | None:
+    """Why vLLM's engine core has not the shape the hash reuse's wrappers were written for (None: it has):
+    the ``hashes`` rows of :data:`.needs.NEEDS` that do not hold here.
+
+    Signatures and attributes only: that the reused hashes are vLLM's is compared at each engine's first
+    reuse (:class:`~.prefix_hashes.ReusingHasher`), and that the configuration is noted before the
+    hasher is made is seen as it happens (:func:`make_hasher`)."""
+    return "; ".join(needs.problems("hashes", needs.ANY)) or None
 
 
-def problem(core_module: ModuleType, kv_cache_utils: ModuleType) -> str | None:
-    """Why these modules do not have the shape the wrappers were written for (None: they do)."""
-    engine_core = getattr(core_module, "EngineCore", None)
-    if engine_core is None or "_initialize_kv_caches" not in engine_core.__dict__:
-        return f"{core_module.__name__}.{KV_INIT} is not defined there"
-    if "vllm_config" not in inspect.signature(engine_core.__dict__["_initialize_kv_caches"]).parameters:
-        return f"{KV_INIT} takes no vllm_config"
-    init_names = _code_names(engine_core.__init__)
-    if FACTORY not in init_names or "_initialize_kv_caches" not in init_names:
-        return f"EngineCore.__init__ no longer calls {FACTORY} and _initialize_kv_caches"
-    if init_names.index("_initialize_kv_caches") > init_names.index(FACTORY):
-        return f"EngineCore.__init__ makes the block hasher before {KV_INIT}"
-    factory = getattr(core_module, FACTORY, None)
-    vllms_factory = getattr(factory, "__wrapped__", factory)
-    if vllms_factory is not getattr(kv_cache_utils, FACTORY, None):
-        return f"{core_module.__name__}.{FACTORY} is not vLLM's {KV_CACHE_UTILS_MODULE}.{FACTORY}"
-    params = list(inspect.signature(factory).parameters)
-    if len(params) not in (2, 3) or params[2:] not in ([], [LOOKAHEAD]):
-        return f"{FACTORY} does not take (block size, hash function[, {LOOKAHEAD}])"
-    code = getattr(vllms_factory, "__code__", None)
-    hashers = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
-    if len(hashers) != 1:
-        return f"{FACTORY} no longer makes one hasher"
-    reads = set(hashers[0].co_names)
-    if HASHER_MUST_READ - reads or reads - HASHER_MAY_READ:
-        return (
-            f"the hasher {FACTORY} returns reads {sorted(reads - HASHER_MAY_READ)} (unknown here), "
-            f"not {sorted(HASHER_MUST_READ - reads)}"
-        )
-    extra = set(_code_names(getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)))
-    if not extra or extra - EXTRA_KEYS_READ:
-        return f"vLLM's block extra keys read {sorted(extra - EXTRA_KEYS_READ) or 'nothing known'}"
-    for name, may_read in EXTRA_KEY_SOURCES.items():
-        source_reads = set(_code_names(getattr(kv_cache_utils, name, None)))
-        if not source_reads or source_reads - may_read:
-            return f"vLLM's {name} reads {sorted(source_reads - may_read) or 'nothing known'}"
-    return None
-
-
-# What the gathering (:mod:`.arrivals`) reads and calls on vLLM's engine core process.
-PROC_METHODS = ("_process_input_queue", "has_work", "is_running", "_handle_client_request")
-INPUT_QUEUE_READS = frozenset({"input_queue", "has_work", "_handle_client_request"})
-
-
-def arrival_problem(core_module: ModuleType) -> str | None:
-    """Why vLLM's engine core process has not the shape the gathering was written for (None: it has)."""
-    proc = getattr(core_module, "EngineCoreProc", None)
-    if proc is None or "_process_input_queue" not in proc.__dict__:
-        return f"{core_module.__name__}.{arrivals.TARGET} is not defined there"
-    missing = [name for name in PROC_METHODS if not callable(getattr(proc, name, None))]
-    if missing:
-        return f"EngineCoreProc has no {', '.join(missing)}"
-    unread = INPUT_QUEUE_READS - set(_code_names(proc.__dict__["_process_input_queue"]))
-    if unread:
-        return f"{arrivals.TARGET} no longer reads {sorted(unread)}"
-    init_names = set(_code_names(core_module.EngineCore.__init__))
-    if not {"request_block_hasher", "vllm_config", "scheduler"} <= init_names:
-        return "EngineCore.__init__ no longer keeps request_block_hasher, vllm_config and scheduler"
-    if not callable(getattr(proc, "preprocess_add_request", None)):
-        return f"{core_module.__name__}.{arrivals.INPUT_TARGET} is not defined there"
-    if "preprocess_add_request" not in _code_names(getattr(proc, "process_input_sockets", None)):
-        return "EngineCoreProc.process_input_sockets no longer calls preprocess_add_request"
-    return None
+def arrival_problem(core_module: ModuleType | None = None) -> str | None:
+    """Why vLLM's engine core process has not the shape the gathering was written for (None: it has):
+    the ``gather`` rows of :data:`.needs.NEEDS` that do not hold here (they name the engine core's module
+    themselves: ``core_module`` is accepted for callers that pass it)."""
+    return "; ".join(needs.problems("gather", needs.ANY)) or None
 
 
 def note_engine_config(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -184,10 +86,16 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     config, _LOCAL.config = getattr(_LOCAL, "config", None), None
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
     bound.apply_defaults()
-    block_size = next(iter(bound.arguments.values()))
+    block_size = next(iter(bound.arguments.values()), None)
     if config is None:
+        # EngineCore.__init__ notes it first (_initialize_kv_caches); any other order or caller is
+        # left to vLLM, and the line below says so.
         decision = switch.PathDecision(
             False, "the engine's configuration was not seen before its block hasher"
+        )
+    elif not isinstance(block_size, int) or block_size <= 0:
+        decision = switch.PathDecision(
+            False, f"{FACTORY}'s first argument is not a block size ({block_size!r})"
         )
     elif bound.arguments.get(LOOKAHEAD):
         # Each hash then covers tokens after its block too: equal blocks are not enough.
@@ -199,7 +107,8 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             decision = switch.decide_hash_reuse(config)
         except ValueError as e:  # an invalid switch stops the engine, naming it
             raise RuntimeError(f"mla-prefill-ext: {e}") from None
-    problems = prefix_hits.attach(decision.on)
+    attached = prefix_hits.attach(decision.on)
+    problems = attached.problems
     log_once(
         logging.INFO,
         ("shared-prefix-hashes", decision, tuple(problems)),
@@ -213,7 +122,8 @@ def make_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return inner
     utils = importlib.import_module(KV_CACHE_UTILS_MODULE)
     # Every chain starts from vLLM's NONE_HASH, which another engine in this process may draw again.
-    hasher = ReusingHasher(inner, int(block_size), epoch=lambda: getattr(utils, "NONE_HASH", None))
+    hasher = ReusingHasher(inner, block_size, epoch=lambda: getattr(utils, "NONE_HASH", None))
+    hasher.followers.extend(attached.hits)  # this engine's hits stop with its hash reuse
     HASHERS.append(hasher)
     del HASHERS[:-4]  # the latest engines' hashers, for reports and tests
     return hasher
@@ -227,17 +137,14 @@ class EngineCoreInstrumentor(Instrumentor):
     gathering's two only where its own shape check passes."""
 
     def check(self, module: ModuleType) -> str | None:
-        try:
-            return problem(module, importlib.import_module(KV_CACHE_UTILS_MODULE)) or (
-                prefix_hits.coordinator_problem(importlib.import_module(prefix_hits.COORDINATOR_MODULE))
-            )
-        except (ImportError, TypeError, ValueError) as e:
-            return f"its shape could not be read ({type(e).__name__}: {e})"
+        """The ``hashes`` and ``hits`` rows of :data:`.needs.NEEDS` (the modules they name; ``module``
+        is the engine core's, which they name too)."""
+        return problem() or prefix_hits.coordinator_problem()
 
     def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
         wrappers: list[tuple[str, Any]] = [(KV_INIT, note_engine_config), (FACTORY, make_hasher)]
         # The gathering is checked apart: a vLLM whose busy loop has another shape keeps the reuse.
-        self.arrival_problem = arrival_problem(module)
+        self.arrival_problem = arrival_problem()
         if self.arrival_problem is None:
             wrappers += [
                 (arrivals.TARGET, arrivals.process_input_queue),
@@ -290,6 +197,9 @@ class EngineCoreInstrumentor(Instrumentor):
             "reused_hits": hits.reused_hits if hits else 0,
             "looked_up_hits": hits.looked_up if hits else 0,
             "gather_problem": getattr(self, "arrival_problem", None) if self.is_instrumented() else None,
+            # Why the latest engine's reuse stopped at its first comparison with vLLM's (None: it did not).
+            "hashes_off": latest.off if latest else None,
+            "hits_off": hits.off if hits else None,
             "gathers": arrivals.GATHERS[0],
             "gathered": arrivals.GATHERS[1],
         }

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 from types import ModuleType
+from typing import Any
 
 import wrapt
 
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.instrumentor import Wrappers
+from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import (
     block_tables,
     layer,
@@ -34,65 +34,55 @@ from mla_prefill_ext.hosts.core.shared_prefix import (
 )
 
 
-class SharedPrefixInstrumentor:
+class SharedPrefixInstrumentor(Instrumentor):
+    """The path over vLLM's MLA module (the core's :class:`Instrumentor`: all or none, symmetric,
+    idempotent): the context path's rows in :meth:`wrappers`, each runner's block tables in :meth:`complete`
+    (at least one runner), the V1 runner's routing once its module is imported."""
+
     def __init__(self) -> None:
-        self.wrappers = Wrappers()
-        self.instrumented = False
+        super().__init__()
         self.routing = False  # V1: short extends routed (the runner's reorder wrapped)
-        self.problem: str | None = None  # why nothing is wrapped (None: wrapped, or not tried yet)
-        self._lock = threading.RLock()
 
-    def _wrap_rows(self, part: str, runner: str) -> str | None:
-        """Wrap what the rows of ``part`` for ``runner`` wrap (all or none): None, or why not."""
-        problems = needs.problems(part, runner)
-        if problems:
-            return "; ".join(problems)
-        table = []
-        for need in needs.rows(part, runner):
-            if need.wraps:
-                module = importlib.import_module(need.module)
-                path, _ = needs.resolve(need, module)
-                table.append((module, path, _WRAPPERS[need.attributes[0]]))
-        return self.wrappers.wrap_each(table)
+    def check(self, module: ModuleType) -> str | None:
+        return "; ".join(needs.problems("plan", needs.ANY)) or None
 
-    def instrument(self, mla_module: ModuleType) -> bool:
-        """Wrap vLLM's context path and the block tables of each runner that has the shape (all of the
-        context path and at least one runner, or none; idempotent). True when in place."""
-        with self._lock:
-            if self.instrumented:
-                return True
-            problem = self._wrap_rows("plan", needs.ANY)
-            if problem is None:
-                for runner in needs.RUNNERS:
-                    block_tables.RUNNER_PROBLEMS[runner] = self._wrap_rows("plan", runner)
-                if all(block_tables.RUNNER_PROBLEMS.values()):
-                    problem = "; ".join(f"{r}: {why}" for r, why in block_tables.RUNNER_PROBLEMS.items())
-                    self.wrappers.unwrap_all()
-            if problem is not None:
-                self.problem = f"vLLM {versions.installed_vllm_version()}: {problem}"
-                block_tables.RUNNER_PROBLEMS.clear()
-                log_once(
-                    logging.INFO,
-                    ("shared-prefix-shape", self.problem),
-                    "MLA shared-prefix prefill (mla-prefill-ext): not available (%s); vLLM's own context "
-                    "path runs.",
-                    self.problem,
-                )
-                return False
-            self.problem = None
-            self.instrumented = True
+    def wrappers(self, module: ModuleType) -> list[tuple[str, Any]]:
+        return [(path, wrapper) for _, path, wrapper in _wrapped_rows("plan", needs.ANY)]
+
+    def complete(self, module: ModuleType) -> str | None:
+        """Each runner's block tables, all of its rows or none; None when at least one runner's landed."""
+        for runner in needs.RUNNERS:
+            problems = needs.problems("plan", runner)
+            block_tables.RUNNER_PROBLEMS[runner] = "; ".join(problems) or self._state.wrappers.wrap_each(
+                _wrapped_rows("plan", runner)
+            )
+        if all(block_tables.RUNNER_PROBLEMS.values()):
+            return "; ".join(f"{r}: {why}" for r, why in block_tables.RUNNER_PROBLEMS.items())
+        return None
+
+    def skip(self, reason: str, module: ModuleType | None = None) -> None:
+        reason = f"vLLM {versions.installed_vllm_version()}: {reason}"
+        super().skip(reason, module)
+        block_tables.RUNNER_PROBLEMS.clear()
+        log_once(
+            logging.INFO,
+            ("shared-prefix-shape", reason),
+            "MLA shared-prefix prefill (mla-prefill-ext): not available (%s); vLLM's own context path runs.",
+            reason,
+        )
+
+    def on_instrumented(self, module: ModuleType) -> None:
         # Routing short extends on the V1 runner is an addition the path works without: its own line.
         wrapt.register_post_import_hook(self._instrument_runner, needs.V1_RUNNER_MODULE)
-        return True
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
-            if not self.instrumented or block_tables.RUNNER_PROBLEMS.get(needs.V1):
-                return
-            if self.routing:
+            if not self.is_instrumented() or self.routing or block_tables.RUNNER_PROBLEMS.get(needs.V1):
                 return
             try:
-                problem = self._wrap_rows("route", needs.V1)
+                problem = "; ".join(needs.problems("route", needs.V1)) or self._state.wrappers.wrap_each(
+                    _wrapped_rows("route", needs.V1)
+                )
             except Exception as e:  # inside vLLM's import of its runner: never let it fail there
                 problem = f"its shape could not be read ({type(e).__name__}: {e})"
             if problem is not None:
@@ -106,29 +96,34 @@ class SharedPrefixInstrumentor:
                 return
             self.routing = True
 
-    def uninstrument(self) -> None:
-        """Remove every wrapper (idempotent)."""
-        with self._lock:
-            self.wrappers.unwrap_all()
-            block_tables.forget()
-            block_tables.RUNNER_PROBLEMS.clear()
-            self.instrumented = False
-            self.routing = False
-            self.problem = None
+    def on_uninstrumented(self, module: ModuleType) -> None:
+        block_tables.forget()
+        block_tables.RUNNER_PROBLEMS.clear()
+        self.routing = False
 
     def report(self) -> dict[str, object]:
         """The path's state in this process: wrapped, routing, why not, steps planned and routed."""
         return {
-            "instrumented": self.instrumented,
+            "instrumented": self.is_instrumented(),
             "routing": self.routing,
-            "runners": {r: why for r, why in block_tables.RUNNER_PROBLEMS.items()},  # None: served
-            "problem": self.problem,
+            "runners": dict(block_tables.RUNNER_PROBLEMS),  # runner -> None (served) or why not
+            "problem": self._state.skipped_reason,
             "steps_with_segments": step.PLANNED[0],
             "steps_routed": routing.ROUTED[0],
             "steps": routing.STEPS[0],
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
             "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks
         }
+
+
+def _wrapped_rows(part: str, runner: str) -> list[tuple[ModuleType, str, Any]]:
+    """(module, path, the add-on's wrapper) of each wrapped row of ``part`` for ``runner``."""
+    table = []
+    for need in needs.rows(part, runner):
+        if need.wraps:
+            module = importlib.import_module(need.module)
+            table.append((module, needs.resolve(need, module)[0], _WRAPPERS[need.attributes[0]]))
+    return table
 
 
 _WRAPPERS = {

@@ -164,6 +164,135 @@ NEEDS: tuple[Need, ...] = (
         takes("scheduler_output"),
         True,
     ),
+    # The engine core's parts: block hashes (prefix_hashes), prefix-cache hits (prefix_hits), the
+    # gathering of a burst (arrivals); vLLM 0.20.2-0.34.0.
+    Need(
+        "hashes",
+        ANY,
+        "vllm.v1.engine.core",
+        ("EngineCore._initialize_kv_caches",),
+        "_initialize_kv_caches(vllm_config): wrapped, the engine's configuration noted for the block "
+        "hasher made after it (a hasher made without one is vLLM's, said in one line)",
+        takes("vllm_config"),
+        True,
+    ),
+    Need(
+        "hashes",
+        ANY,
+        "vllm.v1.engine.core",
+        ("get_request_block_hasher",),
+        "the engine core's hasher factory (block size, caching_hash_fn[, lookahead]): wrapped, its hasher "
+        "inside a reusing one, whose first reuse is compared with that hasher's own hashes",
+        takes("caching_hash_fn"),
+        True,
+    ),
+    Need(
+        "hashes",
+        ANY,
+        "vllm.v1.core.kv_cache_utils",
+        ("init_none_hash",),
+        "NONE_HASH, every hash chain's start, drawn by each engine: donors of an earlier one are dropped",
+        is_callable,
+    ),
+    Need(
+        "hashes",
+        ANY,
+        "vllm.v1.request",
+        ("Request",),
+        "a request's block-hash inputs beyond its tokens (mm_features, lora_request, cache_salt, "
+        "prompt_embeds; all empty: a plain request, the only kind that lends or takes hashes) and its "
+        "block_hasher",
+        takes("mm_features", "lora_request", "cache_salt", "prompt_embeds", "block_hasher"),
+    ),
+    Need(
+        "hits",
+        ANY,
+        "vllm.v1.core.kv_cache_coordinator",
+        ("UnitaryKVCacheCoordinator.__init__",),
+        "the one-group coordinator (use_eagle, enable_caching, dcp/pcp_world_size, read back before hits "
+        "are reused): wrapped, those its engine core makes noted",
+        takes("use_eagle", "enable_caching", "dcp_world_size", "pcp_world_size"),
+        True,
+    ),
+    Need(
+        "hits",
+        ANY,
+        "vllm.v1.core.kv_cache_coordinator",
+        ("UnitaryKVCacheCoordinator.find_longest_cache_hit",),
+        "find_longest_cache_hit(block_hashes, max_cache_hit_length): wrapped, remembered hits lent, the "
+        "first lend compared with vLLM's own lookup",
+        takes("block_hashes", "max_cache_hit_length"),
+        True,
+    ),
+    Need(
+        "hits",
+        ANY,
+        "vllm.v1.core.single_type_kv_cache_manager",
+        ("FullAttentionManager",),
+        "the full-attention manager (MLA's spec is a full-attention spec): hits reused only over one",
+        is_callable,
+    ),
+    Need(
+        "hits",
+        ANY,
+        "vllm.v1.core.block_pool",
+        ("BlockPool",),
+        "the pool's enable_caching and hash_block_size, read before hits are reused",
+        takes("enable_caching", "hash_block_size"),
+    ),
+    Need(
+        "hits",
+        ANY,
+        "vllm.v1.core.kv_cache_utils",
+        ("KVCacheBlock",),
+        "a cached block's hash object, block_hash (None once evicted): a remembered block is lent while "
+        "it holds the very object it was found with",
+        lambda block: has_attributes("block_hash")(block),  # the helper is defined at the end
+    ),
+    Need(
+        "gather",
+        ANY,
+        "vllm.v1.engine.core",
+        ("EngineCoreProc._process_input_queue",),
+        "the busy loop's wait for work: wrapped, a burst over a shared prefix gathered after it",
+        is_callable,
+        True,
+    ),
+    Need(
+        "gather",
+        ANY,
+        "vllm.v1.engine.core",
+        # EngineCore's up to 0.34, wrapped on EngineCoreProc alone (whose input thread calls it).
+        ("EngineCoreProc.preprocess_add_request", "EngineCore.preprocess_add_request"),
+        "preprocess_add_request(request), the input thread's work per request: wrapped on EngineCoreProc, "
+        "timed (where the input thread does not call it, a gathering ends at once)",
+        takes("request"),
+        True,
+    ),
+    Need(
+        "gather",
+        ANY,
+        "vllm.v1.engine.core",
+        ("EngineCoreProc._handle_client_request",),
+        "_handle_client_request(request_type, request): each call taken while gathering handled by it",
+        takes("request_type", "request"),
+    ),
+    Need(
+        "gather",
+        ANY,
+        "vllm.v1.engine.core",
+        ("EngineCoreProc.has_work",),
+        "has_work(): only an idle engine core gathers",
+        is_callable,
+    ),
+    Need(
+        "gather",
+        ANY,
+        "vllm.v1.engine.core",
+        ("EngineCoreProc.is_running",),
+        "is_running(): a gathering stops at shutdown",
+        is_callable,
+    ),
 )
 """The table. On the V2 runner routing needs nothing of its own: the runner orders short extends before
 prefills already, and the builder's split (its ``build``, above) takes the lowered threshold."""
@@ -227,3 +356,15 @@ def runners_here() -> list[str]:
 def outcomes(needs: Iterable[Need] = NEEDS) -> list[tuple[Need, str | None]]:
     """Each row with its outcome (for ``info``)."""
     return [(n, outcome(n)) for n in needs]
+
+
+def has_attributes(*names: str) -> Callable[[Any], str | None]:
+    """A class with each of ``names``: a dataclass field, a property or any other attribute (vLLM 0.34
+    made ``KVCacheBlock.block_hash`` a field; before, a property over a field of another name)."""
+
+    def check(obj: Any) -> str | None:
+        fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        missing = [n for n in names if n not in fields and not hasattr(obj, n)]
+        return f"lacks attributes {missing}" if missing else None
+
+    return check

@@ -108,10 +108,10 @@ def common_blocks(a: Sequence[Any], b: Sequence[Any], block_size: int, limit: in
 
 
 def differs(reused: Sequence[Any], own: Sequence[Any]) -> str | None:
-    """Where ``reused`` (a request's hashes, some lent) is not ``own`` (vLLM's for it), in words; None: equal."""
+    """Where ``reused`` (a request's hashes, some lent) differs from ``own`` (vLLM's), in words."""
     if reused == own:
         return None
-    for i, (a, b) in enumerate(zip(reused, own)):
+    for i, (a, b) in enumerate(zip(reused, own, strict=False)):
         if a != b:
             return f"block {i} of {len(own)} hashes differently"
     if len(reused) != len(own):

@@ -64,8 +64,8 @@ def lookup_differs(reused: Any, own: Any) -> str | None:
     mine, theirs = reused[0], own[0]
     if len(mine) != len(theirs):
         return f"{len(mine)} groups of blocks where vLLM's lookup gives {len(theirs)}"
-    for group, (a, b) in enumerate(zip(mine, theirs)):
-        for i, (x, y) in enumerate(zip(a, b)):
+    for group, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             if x is not y:
                 return (
                     f"hit {i} of group {group} is block {getattr(x, 'block_id', x)} where vLLM's lookup "
@@ -74,7 +74,9 @@ def lookup_differs(reused: Any, own: Any) -> str | None:
         if len(a) != len(b):
             return f"{len(a)} blocks hit in group {group} where vLLM's lookup hits {len(b)}"
     if tuple(reused[1:]) != tuple(own[1:]):
-        return f"the lookup returns {tuple(reused[1:])} after its blocks where vLLM's returns {tuple(own[1:])}"
+        return (
+            f"the lookup returns {tuple(reused[1:])} after its blocks where vLLM's returns {tuple(own[1:])}"
+        )
     return None
 
 
@@ -223,7 +225,6 @@ class PrefixHits:
 COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
 COORDINATOR = "UnitaryKVCacheCoordinator"
 HITS_ATTR = "_mla_prefill_ext_hits"  # on a coordinator whose engine reuses hits: its PrefixHits
-
 
 
 def coordinator_problem() -> str | None:
