@@ -78,15 +78,18 @@ def runner_block_table(
 @contextlib.contextmanager
 def v2_on_cpu() -> Iterator[None]:
     """The platform lookups the V2 runner's buffers make that a CPU-only vLLM answers for no machine:
-    UVA and pinned memory off (its explicit-copy buffers instead), the device type ``cpu``."""
+    UVA and pinned memory off, so its explicit-copy buffers serve; the device type ``cpu``."""
     from vllm.platforms import current_platform
+    from vllm.utils import torch_utils
     from vllm.v1.worker.gpu import buffer_utils
 
-    with (
-        mock.patch.object(buffer_utils, "is_uva_available", lambda: False),
-        mock.patch.object(buffer_utils, "is_pin_memory_available", lambda: False),
-        mock.patch.object(type(current_platform), "device_type", "cpu"),
-    ):
+    with contextlib.ExitStack() as stack:
+        for lookup in ("is_uva_available", "is_pin_memory_available"):
+            if hasattr(buffer_utils, lookup):  # 0.33 reads UVA only
+                stack.enter_context(mock.patch.object(buffer_utils, lookup, lambda: False))
+        if hasattr(torch_utils, "PIN_MEMORY"):  # 0.33's host-to-device copy reads it, taken at import
+            stack.enter_context(mock.patch.object(torch_utils, "PIN_MEMORY", False))
+        stack.enter_context(mock.patch.object(type(current_platform), "device_type", "cpu"))
         yield
 
 
