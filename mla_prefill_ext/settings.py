@@ -268,7 +268,7 @@ def mismatch(stamp: Any) -> str | None:
         f"this process (host {socket.gethostname()}, pid {os.getpid()}) has {seen}, but the engine "
         f"was configured with {', '.join(f'{n}={stamp[n]!r}' for n in wrong)} where it was created. "
         f"Set {fixes} in the environment of this node's vLLM processes (for a Ray cluster: of "
-        "`ray start` on this node, or let vLLM copy them, see the README's 'Multi-node and Ray')"
+        "`ray start` on this node, or let vLLM copy them, see docs/deployment.md, 'Multi-node and Ray')"
     )
 
 
