@@ -1,15 +1,20 @@
-"""The add-on's logger: a child of vLLM's, so its lines look like vLLM's own."""
+"""The add-on's logger: a child of vLLM's, so its lines look like vLLM's own.
+
+Importing this module does not import vLLM (4-5 s): the command line looks a backend name up in
+the registry, which logs here, before it imports vLLM.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
 from typing import Any
 
-from vllm.logger import init_logger
-
-# Under the "vllm" logger so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
-logger = init_logger("vllm.mla_prefill_ext")
+# Under the "vllm" logger so vLLM's handler, format and VLLM_LOGGING_LEVEL apply: vLLM configures
+# that logger when it is imported, before any engine process loads the add-on. (vLLM's init_logger
+# adds only its *_once methods, which the add-on does not use: log_once below is its own.)
+logger = logging.getLogger("vllm.mla_prefill_ext")
 
 _LOGGED: set[Hashable] = set()
 _LOGGED_LOCK = threading.Lock()

@@ -38,6 +38,7 @@ from mla_prefill_ext.cli.common import (
     EXIT_PROBLEM,
     PROG,
     Report,
+    backend_flag_problem,
     describe_exception,
     emit,
     supported_range,
@@ -260,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     # Set before vLLM is first imported, which configures its logging once.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
+        # A bad --backend is refused before a command imports vLLM (seconds), as other bad flags are.
+        problem = backend_flag_problem(args)
+        if problem is not None:
+            args.parser.error(f"argument --backend: {problem}.")
         return emit(args, args.func(args))
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted.", file=sys.stderr)

@@ -27,6 +27,7 @@ from mla_prefill_ext.cli.common import (
     describe_exception,
     disabled_lines,
     dtype,
+    is_class_path,
     note_unsupported,
     probe_host,
 )
@@ -269,11 +270,6 @@ def _check_prefill(args: argparse.Namespace, vllm_version: str | None) -> Report
     )
 
 
-def _is_class_path(text: str) -> bool:
-    """``pkg.module.Class`` or ``pkg.module:Class`` (a backend name is an identifier)."""
-    return "." in text or ":" in text
-
-
 def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Report:
     """``check --conformance``: the conformance suite (mla_prefill_ext.testing) on one backend."""
     import torch
@@ -296,7 +292,7 @@ def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Re
         return Stopped(facts, overrides_problem)
     # The backend: --backend (a name, checked while parsing, or a class path), else the one the
     # selector picks here (MLA_PREFILL_BACKEND, else automatic) for a DeepSeek-R1 model.
-    if args.backend and _is_class_path(args.backend):
+    if args.backend and is_class_path(args.backend):
         name, source, cls = args.backend, "--backend, a class path", None
     elif args.backend:
         name, source, cls = lookup(backend_choice(args).name).name, "--backend", None
@@ -310,7 +306,7 @@ def _check_conformance(args: argparse.Namespace, vllm_version: str | None) -> Re
     facts.update(backend=name, source=source)
     if cls is None:
         try:
-            if _is_class_path(name):
+            if is_class_path(name):
                 cls = load_backend_class(name.replace(":", "."), name)
             else:
                 cls = lookup(name).get_class()

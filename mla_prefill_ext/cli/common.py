@@ -256,6 +256,64 @@ def dims(value: tuple[int, int, int] | str) -> tuple[int, int, int]:
     return R1_MLA_DIMS if value == "r1" else value  # type: ignore[return-value]
 
 
+def is_class_path(text: str) -> bool:
+    """``pkg.module.Class`` or ``pkg.module:Class`` (a backend name is an identifier)."""
+    return "." in text or ":" in text
+
+
+def backend_flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--backend`` (None: nothing), found without importing vLLM (4-5 s).
+
+    The names are the registry's: the built-ins, those registered in the overrides variable and
+    the installed backend packages' (a scan of the installed packages' metadata, milliseconds).
+    A class path is syntax alone: only ``check --conformance`` loads one, and loading needs vLLM.
+    """
+    names = [n.strip() for item in _as_list(getattr(args, "backend", None)) for n in item.split(",")]
+    names = [n for n in names if n]
+    if not names:
+        return None
+    from mla_prefill_ext.class_paths import validate_class_path
+    from mla_prefill_ext.registry import lookup
+    from mla_prefill_ext.settings import OVERRIDES_ENV, overrides_problem
+
+    check, conformance = args.command == "check", getattr(args, "conformance", False)
+    for name in names:
+        if is_class_path(name):
+            dotted = name.replace(":", ".")
+            if conformance:
+                try:
+                    validate_class_path(name, dotted)
+                except (TypeError, ValueError) as e:
+                    return f"{e}; write it as pkg.module:Class or pkg.module.Class"
+                continue
+            takes = (
+                "takes a backend name unless --conformance is given"
+                if args.command == "check"
+                else ("takes a backend name; a class path is taken only by check --conformance")
+            )
+            return (
+                f"{name!r} is a class path; {args.command} {takes}: `{PROG} check --conformance --backend "
+                f"{name}` runs the conformance suite on that class. To check, select or bench it by name, "
+                f'register it first: {OVERRIDES_ENV}=\'{{"CUSTOM": "{dotted}"}}\' in the environment, '
+                "then --backend CUSTOM (or install it as a package with an entry point in the group "
+                "mla_prefill_ext.backends)"
+            )
+        try:
+            lookup(name)  # a miss scans the installed backend packages first
+        except ValueError as e:
+            hints = [" (check --conformance also takes a class path, pkg.module:Class)"] if check else []
+            if overrides_problem() is not None:
+                hints.append(f"; {OVERRIDES_ENV}, which may register more names, cannot be used")
+            return f"{str(e).rstrip('.')}{''.join(hints)}"
+    return None
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def backend_choice(args: argparse.Namespace) -> Any:
     """The choice in force: ``--backend`` (an unknown name is a usage error), else the environment."""
     from mla_prefill_ext.registry import lookup

@@ -54,7 +54,7 @@ def test_importing_the_package_without_vllm(harness: Path) -> None:
         import mla_prefill_ext
         print("imported", "vllm" in sys.modules, "torch" in sys.modules)
         print("dir", "register_mla_prefill_backend" in dir(mla_prefill_ext))
-        for name in ("MLAPrefillBackend", "register_mla_prefill_backend"):
+        for name in ("MLAPrefillBackend", "register_mla_prefill_backend", "get_mla_prefill_backend"):
             try:
                 getattr(mla_prefill_ext, name)
                 print(name, "ok")
@@ -69,12 +69,18 @@ def test_importing_the_package_without_vllm(harness: Path) -> None:
         lines[hidden] = proc.stdout.splitlines()
     for out in lines.values():
         assert out[:2] == ["imported False False", "dir True"]
-    # PyTorch present: the base class is all a backend author needs, and it loads.
-    assert lines["vllm"][2] == "MLAPrefillBackend ok"
-    assert lines["vllm"][3].startswith("register_mla_prefill_backend missing vllm |")
-    # Neither: each name says what is missing and which vLLM to install.
+    # PyTorch present: every name loads (none imports vLLM before it is used; the command line looks
+    # names up in the registry before it imports vLLM).
+    assert lines["vllm"][2:] == [
+        "MLAPrefillBackend ok",
+        "register_mla_prefill_backend ok",
+        "get_mla_prefill_backend ok",
+    ]
+    # Neither: each name that needs PyTorch says what is missing and which vLLM to install.
     assert lines["vllm,torch"][2].startswith("MLAPrefillBackend missing torch | mla_prefill_ext.")
-    for line in (lines["vllm"][3], lines["vllm,torch"][2]):
+    assert lines["vllm,torch"][3] == "register_mla_prefill_backend ok"
+    assert lines["vllm,torch"][4].startswith("get_mla_prefill_backend missing torch | mla_prefill_ext.")
+    for line in (lines["vllm,torch"][2], lines["vllm,torch"][4]):
         assert f"pip install '{INSTALL_SPEC}'" in line
         assert "mla-prefill-ext info" in line
 

@@ -6,6 +6,8 @@ No vLLM needed: these runs are fast.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from cli_runs import SUPPORTED, assert_no_traceback, cli_env, run
@@ -81,4 +83,61 @@ def test_with_json_a_usage_error_is_json_on_stdout(args: list[str], says: str) -
     # The usage line argparse prints on stderr (the subcommand's, or the program's where it gives that).
     assert report["usage"].startswith("usage: mla-prefill-ext") and proc.stderr.startswith(report["usage"])
     assert says in proc.stderr
+    assert_no_traceback(proc)
+
+
+# --backend: checked against the registry before vLLM is imported (vLLM hidden here: if a command
+# imported it first, it would answer "cannot run here" instead of the usage error)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["select", "--backend", "NOPE"], "argument --backend: Unknown MLA prefill backend: 'NOPE'. "),
+        (
+            ["bench", "--backend", "TORCH_SDPA,NOPE"],
+            "argument --backend: Unknown MLA prefill backend: 'NOPE'",
+        ),
+        (
+            ["check", "--backend", "nope"],
+            "Valid options are: FLASH_ATTN, FLASHINFER, TRTLLM_RAGGED, TORCH_SDPA, CUSTOM (check "
+            "--conformance also takes a class path, pkg.module:Class).",
+        ),
+        (["check", "--conformance", "--backend", "pkg.mod:"], "class path 'pkg.mod.' is not of the form"),
+    ],
+)
+def test_a_bad_backend_is_refused_before_vllm_is_imported(harness: Path, args: list[str], says: str) -> None:
+    proc = run(*args, env=cli_env(harness, MLA_TEST_HIDE="vllm,torch"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("usage: mla-prefill-ext"), proc.stderr
+    assert says in proc.stderr
+    assert "cannot run here" not in proc.stdout
+    assert_no_traceback(proc)
+
+
+def test_names_registered_in_the_environment_or_installed_pass_that_check(harness: Path) -> None:
+    """Overrides and installed packages' entry points are found without vLLM: the command runs on
+    (and says here that vLLM is missing)."""
+    env = cli_env(harness, MLA_TEST_HIDE="vllm,torch", MLA_PREFILL_BACKEND_OVERRIDES='{"MINE": "a.b.C"}')
+    env["PYTHONPATH"] = os.pathsep.join([str(harness / "claim_packages"), env["PYTHONPATH"]])
+    for args in (["select", "--backend", "mine"], ["bench", "--backend", "DEMO_CLAIM,torch_sdpa"]):
+        proc = run(*args, env=env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "cannot run here" in proc.stdout and "usage:" not in proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("command", ["check", "select", "bench"])
+def test_a_class_path_where_a_name_is_needed_says_where_a_class_path_goes(command: str) -> None:
+    proc = run(command, "--backend", "pkg.mod:Cls", env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    takes = "unless --conformance is given" if command == "check" else "a class path is taken only by"
+    assert f"argument --backend: 'pkg.mod:Cls' is a class path; {command} takes a backend name" in proc.stderr
+    assert takes in proc.stderr
+    assert (
+        "`mla-prefill-ext check --conformance --backend pkg.mod:Cls` runs the conformance suite"
+        in proc.stderr
+    )
+    assert """MLA_PREFILL_BACKEND_OVERRIDES='{"CUSTOM": "pkg.mod.Cls"}' in the environment""" in proc.stderr
+    assert "then --backend CUSTOM" in proc.stderr
+    assert "Unknown MLA prefill backend" not in proc.stderr
     assert_no_traceback(proc)
