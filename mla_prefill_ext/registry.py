@@ -10,13 +10,14 @@ process without further steps.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from enum import Enum, EnumMeta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mla_prefill_ext import discovery, settings
-from mla_prefill_ext._logging import logger
+from mla_prefill_ext._logging import log_once, logger
 from mla_prefill_ext.class_paths import backend_class_problem, load_backend_class, validate_class_path
 from mla_prefill_ext.settings import OVERRIDES_ENV
 
@@ -395,21 +396,22 @@ def _apply_environment() -> None:
         return
     problem = settings.overrides_problem()
     if problem is not None:
-        # The selector refuses to select while it stands (settings.overrides_problem).
-        logger.error("%s. No MLA prefill backend can be selected until it is fixed.", problem)
+        # The selector refuses to select while it stands. One line, naming every bad entry; the
+        # command line marks it said, as its commands report the problem themselves.
+        log_once(logging.ERROR, settings.OVERRIDES_PROBLEM_LOG_KEY, "%s.", problem)
     try:
         payload = settings.parse_overrides(raw)
     except ValueError:
         return
     with _LOCK:
         for name, path in payload.items():
-            if not isinstance(name, str) or not isinstance(path, str):
-                logger.error("Ignoring %s entry %r: %r", OVERRIDES_ENV, name, path)
-                continue
+            if not isinstance(path, str):
+                continue  # named in the problem logged above
             try:
                 member = _resolve_member(name)
             except ValueError as e:
-                logger.error("Ignoring %s entry %r: %s", OVERRIDES_ENV, name, e)
+                if name.isidentifier() and not name.startswith("_"):  # reserved: not in that problem
+                    logger.error("Ignoring %s entry %r: %s", OVERRIDES_ENV, name, e)
                 continue
             _OVERRIDES[member.name] = path
             _FROM_ENVIRONMENT.add(member.name)

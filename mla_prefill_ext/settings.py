@@ -149,12 +149,16 @@ def parse_overrides(raw: str) -> dict[Any, Any]:
     """
     payload = json.loads(raw)
     if not isinstance(payload, dict):
-        raise ValueError("not a JSON object")
+        raise ValueError(f"a JSON {type(payload).__name__}")
     return payload
 
 
 OVERRIDES_EXAMPLE = '{"MY_PREFILL": "my_pkg.prefill.MyPrefillBackend"}'
-"""The right form of :data:`OVERRIDES_ENV`, as error messages show it."""
+"""The right form of :data:`OVERRIDES_ENV`, as every message about it shows it."""
+
+OVERRIDES_PROBLEM_LOG_KEY = "unusable MLA_PREFILL_BACKEND_OVERRIDES"
+"""The ``_logging.log_once`` key of the registry's line about :func:`overrides_problem`: the
+command line marks it said, since each of its commands reports the problem itself."""
 
 
 def overrides_problem() -> str | None:
@@ -179,7 +183,10 @@ def overrides_problem() -> str | None:
             [f"{k!r} is not a backend name (an identifier such as MY_PREFILL)" for k in names]
             + [f"the class path of {k!r} is not a non-empty string" for k in paths]
         )
-    return f"{OVERRIDES_ENV}={raw!r} cannot be used: {why}. Write it as {OVERRIDES_ENV}='{OVERRIDES_EXAMPLE}'"
+    return (
+        f"{OVERRIDES_ENV}={raw!r} cannot be used: {why}; no MLA prefill backend can be selected (an "
+        f"engine stops at start) until it is fixed. Write it as {OVERRIDES_ENV}='{OVERRIDES_EXAMPLE}'"
+    )
 
 
 def overridden_environment_choice(additional_config: Any) -> str | None:

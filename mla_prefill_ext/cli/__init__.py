@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from mla_prefill_ext import _logging
 from mla_prefill_ext.cli import bench
 from mla_prefill_ext.cli.check import DEFAULT_CHECK_DTYPE, DEFAULT_CHECK_REPEAT, cmd_check
 from mla_prefill_ext.cli.common import (
@@ -45,6 +46,7 @@ from mla_prefill_ext.cli.common import (
 )
 from mla_prefill_ext.cli.info import cmd_info
 from mla_prefill_ext.cli.select import cmd_select
+from mla_prefill_ext.settings import OVERRIDES_PROBLEM_LOG_KEY
 
 __all__ = [
     "EXIT_CANNOT_CHECK",
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs to stdout by default; keep stdout for the report (and valid JSON).
     # Set before vLLM is first imported, which configures its logging once.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # Each command reports an unusable MLA_PREFILL_BACKEND_OVERRIDES itself: the registry's ERROR
+    # line, logged when it is imported, would say it a second time.
+    _logging.first_time(OVERRIDES_PROBLEM_LOG_KEY)
     try:
         # A bad --backend is refused before a command imports vLLM (seconds), as other bad flags are.
         problem = backend_flag_problem(args)

@@ -87,6 +87,7 @@ def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
         requested_choice,
         select,
     )
+    from mla_prefill_ext.settings import overrides_problem
 
     cap = current_device_capability()
     config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *R1_MLA_DIMS)
@@ -117,7 +118,8 @@ def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
     except (TypeError, ValueError) as e:  # TypeError: a backend's malformed auto_select_claim
         info["error"] = str(e)
         message = str(e) if isinstance(e, ValueError) else f"Automatic selection fails: {e}"
-        findings.append(Finding("problem", message if message.endswith(".") else f"{message}."))
+        if message != overrides_problem():  # that refusal is the registrations' finding, said once
+            findings.append(Finding("problem", message if message.endswith(".") else f"{message}."))
     else:
         info["selected_here"] = selection.name
         info["selected_by_claim"] = (

@@ -9,52 +9,25 @@ from mla_prefill_ext.cli.common import Finding, claim_text
 
 
 def overrides_findings(raw: str | None) -> list[Finding]:
-    """What is wrong with the registrations handed over in the environment."""
+    """What is wrong with the registrations handed over in the environment (once: the choice's
+    report leaves out the same refusal, ``info.choice_report``)."""
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
-    from mla_prefill_ext.settings import OVERRIDES_ENV
+    from mla_prefill_ext.settings import OVERRIDES_ENV, overrides_problem
 
     if not raw:
         return []
-    example = '\'{"CUSTOM": "my_package.my_module.MyBackend"}\''
-    try:
-        payload = json.loads(raw)
-    except ValueError as e:
-        return [
-            Finding(
-                "problem",
-                f"{OVERRIDES_ENV} is not valid JSON ({e}): no MLA prefill backend can be selected (an "
-                "engine stops at start) until it is fixed. "
-                f"It takes a JSON object of backend names and class paths, e.g. {example}.",
-            )
-        ]
-    if not isinstance(payload, dict):
-        return [
-            Finding(
-                "problem",
-                f"{OVERRIDES_ENV} is a JSON {type(payload).__name__}, not an object of backend names "
-                f"and class paths (e.g. {example}): no MLA prefill backend can be selected until it "
-                "is fixed.",
-            )
-        ]
-    findings = []
-    for name, path in payload.items():
-        if not isinstance(path, str):
-            findings.append(
-                Finding(
-                    "problem",
-                    f"{OVERRIDES_ENV} entry {name!r} is ignored: its class path must be a string, "
-                    f"not {path!r}.",
-                )
-            )
-        elif name not in MLAPrefillBackendEnum.__members__:
-            findings.append(
-                Finding(
-                    "problem",
-                    f"{OVERRIDES_ENV} entry {name!r} is ignored: it is not a usable backend name "
-                    "(use an identifier such as MY_PREFILL, not a reserved name).",
-                )
-            )
-    return findings
+    problem = overrides_problem()  # not JSON, not an object, a key that is no name, a path no string
+    if problem is not None:
+        return [Finding("problem", f"{problem}.")]
+    return [
+        Finding(
+            "problem",
+            f"{OVERRIDES_ENV} entry {name!r} is ignored: it is not a usable backend name "
+            "(use an identifier such as MY_PREFILL, not a reserved name).",
+        )
+        for name in json.loads(raw)
+        if name not in MLAPrefillBackendEnum.__members__
+    ]
 
 
 def entry_point_rows() -> tuple[list[dict[str, Any]], list[Finding]]:

@@ -23,6 +23,9 @@ SLOW_RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "info_shared_off": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "0"}),
     "info_shared_invalid": (["info"], {"MLA_PREFILL_SHARED_PREFIX": "maybe"}),
     "info_gather_invalid": (["info"], {"MLA_PREFILL_SHARED_PREFIX_GATHER_MS": "soon"}),
+    # A malformed overrides variable on a supported vLLM (the registry, the choice and the
+    # registrations each see it).
+    "info_bad_overrides": (["info"], {"MLA_PREFILL_BACKEND_OVERRIDES": '{"CUSTOM": oops'}),
 }
 SLOW_RUN_PATHS: dict[str, list[str]] = {"info_claim": ["claim_packages"]}
 
@@ -42,13 +45,37 @@ def test_info_on_an_unsupported_vllm_reports_the_refusal(slow: dict[str, Any]) -
         f.startswith("  PROBLEM  mla-prefill-ext cannot honour MLA_PREFILL_BACKEND=FLASH_ATTN")
         for f in findings
     )
-    assert any(f.startswith("  PROBLEM  MLA_PREFILL_BACKEND_OVERRIDES is not valid JSON") for f in findings)
+    assert any(
+        f.startswith("""  PROBLEM  MLA_PREFILL_BACKEND_OVERRIDES='{"CUSTOM": oops' cannot be used""")
+        for f in findings
+    )
     assert all(f.endswith(".") for f in findings)  # findings are sentences
     verdict = out.rstrip().splitlines()[-1]
     assert verdict.startswith("verdict: ") and verdict.endswith(" problems found (see the findings).")
     assert "shim" not in out.lower()
     assert "(wrapped)" not in out  # targets say what the add-on does with them: "wraps" or "reads"
     assert "  ok       wraps  MLAAttention.__init__" in out
+
+
+def test_info_reports_a_malformed_overrides_variable_once_with_one_example(slow: dict[str, Any]) -> None:
+    """One finding, nothing on stderr, and the example every message about the variable gives."""
+    from mla_prefill_ext.settings import OVERRIDES_EXAMPLE
+
+    proc = slow["info_bad_overrides"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    assert_no_traceback(proc)
+    said = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if "MLA_PREFILL_BACKEND_OVERRIDES" in line
+    ]
+    said.remove("""  MLA_PREFILL_BACKEND_OVERRIDES={"CUSTOM": oops""")  # the environment section's value
+    assert len(said) == 1, said
+    (finding,) = said
+    assert finding.startswith(
+        """  PROBLEM  MLA_PREFILL_BACKEND_OVERRIDES='{"CUSTOM": oops' cannot be used: """
+    )
+    assert "no MLA prefill backend can be selected (an engine stops at start) until it is fixed" in finding
+    assert finding.endswith(f"Write it as MLA_PREFILL_BACKEND_OVERRIDES='{OVERRIDES_EXAMPLE}'.")
+    assert "verdict: 1 problem found (see the findings)." in proc.stdout
 
 
 @pytest.mark.vllm_patch  # info's report of the patch

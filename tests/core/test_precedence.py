@@ -119,6 +119,7 @@ def test_check_select_and_bench_exit_non_zero_on_invalid_overrides(command):
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{settings.OVERRIDES_ENV}='{NOT_JSON}' cannot be used" in done.stdout
     assert "PASS" not in done.stdout
+    assert settings.OVERRIDES_ENV not in done.stderr  # said once, in the report: no log line repeats it
 
 
 # Item 4: the engine-start error for an unknown name names where the name came from
