@@ -116,8 +116,29 @@ def parse_shapes(text: str) -> list[BenchShape]:
     return shapes
 
 
-def parse_dims(text: str) -> MLADims:
-    """``--dims``: a preset name, or ``NOPE,ROPE,V,HEADS``; ValueError says what is wrong."""
+DIMS_METAVAR = "PRESET|NOPE,ROPE,V,HEADS"
+
+
+def dims_help(heads_needed: bool) -> str:
+    """``--dims``'s help, the same in select and bench (``heads_needed``: bench's)."""
+    presets = ", ".join(f"{n} ({d.label.split(' (')[0]})" for n, d in DIMS_PRESETS.items())
+    three = (
+        ""
+        if heads_needed
+        else "; qk_nope,qk_rope,v is taken too (the head count does not change the selection)"
+    )
+    return (
+        f"the model's MLA dims as one GPU sees them: a preset, {presets}, or qk_nope,qk_rope,v,heads "
+        f"(default: {DEFAULT_DIMS}){three}"
+    )
+
+
+def parse_dims(text: str, heads_needed: bool = True) -> MLADims:
+    """``--dims`` of select and bench: a preset name, or ``NOPE,ROPE,V,HEADS``; ValueError says what is wrong.
+
+    Without ``heads_needed`` (select, whose choice does not depend on the head count),
+    ``NOPE,ROPE,V`` is taken too, with ``num_heads`` 0 (not given).
+    """
     preset = DIMS_PRESETS.get(text.strip().lower())
     if preset is not None:
         return preset
@@ -125,9 +146,17 @@ def parse_dims(text: str) -> MLADims:
         values = [int(p) for p in text.split(",")]
     except ValueError:
         values = []
+    if len(values) == 3 and min(values) > 0:
+        if not heads_needed:
+            return MLADims(*values, num_heads=0)
+        raise ValueError(
+            f"{text!r} gives no head count: bench needs four numbers qk_nope,qk_rope,v,heads, heads as "
+            f"one GPU sees them (e.g. {text.strip()},16), or a preset ({', '.join(DIMS_PRESETS)})"
+        )
     if len(values) != 4 or min(values) <= 0:
+        three = "" if heads_needed else " (or three, qk_nope,qk_rope,v)"
         raise ValueError(
             f"expected a preset ({', '.join(DIMS_PRESETS)}) or four positive numbers "
-            f"qk_nope,qk_rope,v,heads (e.g. 128,64,128,16), got {text!r}"
+            f"qk_nope,qk_rope,v,heads{three} (e.g. 128,64,128,16), got {text!r}"
         )
     return MLADims(*values)

@@ -39,6 +39,7 @@ from mla_prefill_ext.cli.common import (
     EXIT_PROBLEM,
     PROG,
     Report,
+    add_dims_argument,
     backend_flag_problem,
     describe_exception,
     emit,
@@ -95,21 +96,6 @@ def _capability_arg(text: str) -> tuple[int, int] | str:
             f"(e.g. 8.0, 9.0, 10.0, 12.0) or 'cpu', got {text!r}"
         )
     return int(match.group(1)), int(match.group(2))
-
-
-def _dims_arg(text: str) -> tuple[int, int, int] | str:
-    """``r1`` or ``NOPE,ROPE,V`` head dims, each a positive integer."""
-    if text.strip().lower() == "r1":
-        return "r1"
-    try:
-        dims = tuple(int(p) for p in text.split(","))
-    except ValueError:
-        dims = ()
-    if len(dims) != 3 or min(dims) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"expected 'r1' or three positive head dims NOPE,ROPE,V (e.g. 128,64,128), got {text!r}"
-        )
-    return dims  # type: ignore[return-value]
 
 
 def _whole_number(low: int, high: int | None, what: str) -> Any:
@@ -179,14 +165,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default="bfloat16", choices=DTYPES, help="the model's dtype (default: %(default)s)"
     )
-    p.add_argument(
-        "--dims",
-        type=_dims_arg,
-        default="r1",
-        metavar="r1|NOPE,ROPE,V",
-        help="the model's MLA head dims: 'r1' (DeepSeek-V2/V3/R1: 128,64,128) or "
-        "qk_nope,qk_rope,v (default: r1)",
-    )
+    add_dims_argument(p, heads_needed=False)
     p.add_argument(
         "--backend",
         metavar="NAME",

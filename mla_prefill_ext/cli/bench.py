@@ -8,13 +8,10 @@ from typing import Any
 
 from mla_prefill_ext import settings
 from mla_prefill_ext.bench.spec import (
-    DEFAULT_DIMS,
     DEFAULT_SHAPES,
-    DIMS_PRESETS,
     SHAPE_SETS,
     BenchShape,
     MLADims,
-    parse_dims,
     parse_shapes,
 )
 from mla_prefill_ext.cli.bench_report import BenchReport, BenchStopped
@@ -24,6 +21,7 @@ from mla_prefill_ext.cli.common import (
     PROG,
     CannotCheck,
     Report,
+    add_dims_argument,
     backend_choice,
     cap_json,
     chosen_automatically,
@@ -48,13 +46,6 @@ def _shapes_arg(text: str) -> list[BenchShape]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _dims_arg(text: str) -> MLADims:
-    try:
-        return parse_dims(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _count_arg(low: int) -> Any:
     def parse(text: str) -> int:
         try:
@@ -71,7 +62,6 @@ def _count_arg(low: int) -> Any:
 def add_parser(sub: Any, json_errors: bool) -> argparse.ArgumentParser:
     """``bench``'s subparser (``--json`` and ``--debug`` are added with every command's)."""
     shape_sets = "; ".join(f"{n}: {' '.join(s.label for s in v)}" for n, v in SHAPE_SETS.items())
-    presets = ", ".join(f"{n} ({d.label.split(' (')[0]})" for n, d in DIMS_PRESETS.items())
     p = sub.add_parser(
         "bench",
         json_errors=json_errors,
@@ -99,14 +89,7 @@ def add_parser(sub: Any, json_errors: bool) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default="bfloat16", choices=DTYPES, help="q, k and v's dtype (default: %(default)s)"
     )
-    p.add_argument(
-        "--dims",
-        type=_dims_arg,
-        default=DIMS_PRESETS[DEFAULT_DIMS],
-        metavar="PRESET|NOPE,ROPE,V,HEADS",
-        help=f"the model's MLA dims as one GPU sees them: a preset, {presets}, or "
-        f"qk_nope,qk_rope,v,heads (default: {DEFAULT_DIMS})",
-    )
+    add_dims_argument(p, heads_needed=True)
     p.add_argument(
         "--shapes",
         type=_shapes_arg,

@@ -250,10 +250,23 @@ def dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def dims(value: tuple[int, int, int] | str) -> tuple[int, int, int]:
-    from mla_prefill_ext.backends.base import R1_MLA_DIMS
+def add_dims_argument(parser: argparse.ArgumentParser, heads_needed: bool) -> None:
+    """``--dims``, one format for select and bench (``heads_needed``: bench, which times heads)."""
+    from mla_prefill_ext.bench.spec import DEFAULT_DIMS, DIMS_METAVAR, DIMS_PRESETS, dims_help, parse_dims
 
-    return R1_MLA_DIMS if value == "r1" else value  # type: ignore[return-value]
+    def dims_arg(text: str) -> Any:
+        try:
+            return parse_dims(text, heads_needed)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument(
+        "--dims",
+        type=dims_arg,
+        default=DIMS_PRESETS[DEFAULT_DIMS],
+        metavar=DIMS_METAVAR,
+        help=dims_help(heads_needed),
+    )
 
 
 def is_class_path(text: str) -> bool:

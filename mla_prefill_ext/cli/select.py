@@ -18,7 +18,6 @@ from mla_prefill_ext.cli.common import (
     capability,
     chosen_automatically,
     claim_text,
-    dims,
     disabled_lines,
     dtype,
     note_unsupported,
@@ -126,7 +125,7 @@ def cmd_select(args: argparse.Namespace) -> Report:
 
     choice = backend_choice(args)
     cap = capability(args.capability)
-    config = MLAPrefillSelectorConfig.from_dims(dtype(args.dtype), *dims(args.dims))
+    config = MLAPrefillSelectorConfig.from_dims(dtype(args.dtype), *args.dims[:3])
     # The automatic order, with the out-of-tree backends that joined it by a claim on this
     # device (this also discovers the installed backend packages).
     try:

@@ -13,6 +13,7 @@ import pytest
 from cli_runs import SUPPORTED, assert_no_traceback, cli_env, run
 
 from mla_prefill_ext import __version__
+from mla_prefill_ext.bench.spec import MLADims
 from mla_prefill_ext.cli import build_parser
 
 
@@ -51,7 +52,7 @@ def test_every_flag_has_help_and_the_product_is_the_add_on() -> None:
         (["select", "--capability", "99.9"], "argument --capability: expected a CUDA compute capability"),
         (["select", "--capability", "9"], "argument --capability"),
         (["select", "--capability", "0.5"], "argument --capability"),
-        (["select", "--dims", "0,0,0"], "argument --dims: expected 'r1' or three positive head dims"),
+        (["select", "--dims", "0,0,0"], "argument --dims: expected a preset (r1, r1-tp1, v2-lite) or four"),
         (["select", "--dims", "128,64"], "argument --dims"),
         (["info", "--verbose"], "unrecognized arguments: --verbose"),
         ([], "the following arguments are required"),
@@ -69,7 +70,7 @@ def test_bad_flags_print_the_usage_line_and_exit_2(args: list[str], says: str) -
     ("args", "says"),
     [
         (["select", "--capability", "99.9", "--json"], "argument --capability: expected a CUDA"),
-        (["select", "--json", "--dims", "1,2"], "argument --dims: expected 'r1'"),
+        (["select", "--json", "--dims", "1,2"], "argument --dims: expected a preset"),
         (["info", "--json", "--verbose"], "unrecognized arguments: --verbose"),
         (["check", "--json", "--repeat", "0"], "argument --repeat: expected a whole number of at least 1"),
     ],
@@ -83,6 +84,39 @@ def test_with_json_a_usage_error_is_json_on_stdout(args: list[str], says: str) -
     # The usage line argparse prints on stderr (the subcommand's, or the program's where it gives that).
     assert report["usage"].startswith("usage: mla-prefill-ext") and proc.stderr.startswith(report["usage"])
     assert says in proc.stderr
+    assert_no_traceback(proc)
+
+
+# --dims: one format for select and bench
+
+
+def _dims_action(command: str) -> object:
+    sub = next(a for a in build_parser()._actions if isinstance(a.choices, dict)).choices[command]
+    return next(a for a in sub._actions if "--dims" in a.option_strings)
+
+
+def test_select_and_bench_take_dims_in_one_format() -> None:
+    """One parser: a preset or NOPE,ROPE,V,HEADS in both; select, whose choice does not depend
+    on the head count, also takes NOPE,ROPE,V."""
+    parser = build_parser()
+    for command in ("select", "bench"):
+        assert parser.parse_args([command, "--dims", "r1-tp1"]).dims == MLADims(128, 64, 128, 128, "r1-tp1")
+        assert parser.parse_args([command, "--dims", "64,32,64,8"]).dims == MLADims(64, 32, 64, 8)
+        assert parser.parse_args([command]).dims == MLADims(128, 64, 128, 16, "r1")
+    assert parser.parse_args(["select", "--dims", "64,32,64"]).dims[:3] == (64, 32, 64)
+    select, bench = _dims_action("select"), _dims_action("bench")
+    assert select.metavar == bench.metavar == "PRESET|NOPE,ROPE,V,HEADS"
+    assert select.type.__qualname__ == bench.type.__qualname__  # the one parser, not two
+    assert bench.help in select.help  # the same words; select's add that it takes three numbers too
+
+
+def test_bench_refuses_three_dims_saying_it_needs_the_head_count() -> None:
+    proc = run("bench", "--dims", "128,64,128", env=cli_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        "argument --dims: '128,64,128' gives no head count: bench needs four numbers "
+        "qk_nope,qk_rope,v,heads, heads as one GPU sees them (e.g. 128,64,128,16)"
+    ) in proc.stderr
     assert_no_traceback(proc)
 
 
