@@ -165,8 +165,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture
 def paused_parts() -> Iterator[Any]:
-    """The shared-prefix path's ``pause``; every part resumed after the test."""
-    from mla_prefill_ext.hosts.core.shared_prefix import switch
+    """The benchmarks' ``pause`` of the shared-prefix path's parts; every part resumed after the test."""
+    from scripts.bench import path_parts
 
-    yield switch.pause
-    switch.pause(())
+    yield path_parts.pause
+    path_parts.pause(())

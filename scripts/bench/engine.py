@@ -112,10 +112,10 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
 
 def pause_shared_prefix(worker: Any, parts: list[str]) -> list[str]:
     """Runs in each worker (collective_rpc): pause those parts of the shared-prefix path in this
-    process and resume the others (``mla_prefill_ext``'s ``switch.pause``); the parts paused now."""
-    from mla_prefill_ext.hosts.core.shared_prefix import switch
+    process and resume the others (:mod:`scripts.bench.path_parts`); the parts paused now."""
+    from scripts.bench import path_parts
 
-    return switch.pause(parts)
+    return path_parts.pause(parts)
 
 
 def reset_memory_peak(worker: Any) -> None:

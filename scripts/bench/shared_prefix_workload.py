@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from . import path_parts
 from .common import seeded_tokens
 from .engine import GATHER_ENV, SHARED_PREFIX_ENV
 
@@ -24,14 +25,7 @@ NOGATHER = "nogather"
 GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
 PAUSE = "pause"
-PAUSE_PARTS = (
-    "plan",
-    "route",
-    "hashes",
-    "hits",
-    "gather",
-)  # the add-on's switch.PARTS (tested equal)
-PAUSE_IMPLIED = {"plan": ("route",), "hashes": ("gather",)}  # and its switch.IMPLIED
+PAUSE_PARTS = path_parts.PARTS
 
 
 @dataclass(frozen=True)
@@ -151,8 +145,7 @@ def _pause_side(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
     host = next((s for s in earlier if s.label == name), None)
     if host is None:
         raise ValueError(f"side {label!r} runs on the engine of side {name!r}: list {name} before it")
-    parts = (*parts, *(implied for p in parts for implied in PAUSE_IMPLIED.get(p, ())))
-    parts = tuple(p for p in PAUSE_PARTS if p in parts)  # the add-on pauses what a part implies
+    parts = tuple(path_parts.with_implied(parts))  # what a part implies is paused with it
     suffix = PAUSE if parts == PAUSE_PARTS else f"{PAUSE}-{'+'.join(parts)}"
     return SideSpec(f"{name}:{suffix}", host.backend, host.env, engine=host.label, pause=parts)
 

@@ -542,10 +542,8 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
-    from mla_prefill_ext.hosts.core.shared_prefix import switch
-    from scripts.bench.shared_prefix_workload import PAUSE_IMPLIED, PAUSE_PARTS, pauses_before_calls
+    from scripts.bench.shared_prefix_workload import PAUSE_PARTS, pauses_before_calls
 
-    assert PAUSE_PARTS == switch.PARTS and PAUSE_IMPLIED == switch.IMPLIED  # the bench's copies
     sides = parse_sides("stock,FLASH_ATTN,flash_attn:PAUSE,FLASH_ATTN:pause-hits+route,FLASH_ATTN:noshare")
     assert [(s.label, s.backend, s.engine, s.pause) for s in sides] == [
         ("stock", "stock", None, ()),

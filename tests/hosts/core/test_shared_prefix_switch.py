@@ -167,20 +167,3 @@ def test_an_invalid_switch_in_the_environment_stops_the_engine_when_vllms_mla_mo
         "RuntimeError: mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use "
         "1/true/on or 0/false/off"
     ) in proc.stderr, proc.stderr[-3000:]
-
-
-def test_parts_are_paused_and_resumed_in_this_process(paused_parts):
-    from mla_prefill_ext.hosts.core.shared_prefix.instrumentor import INSTRUMENTOR
-
-    assert not any(switch.paused(p) for p in switch.PARTS)
-    assert paused_parts(["hits", "route"]) == ["route", "hits"]  # in the parts' order
-    assert switch.paused("route") and switch.paused("hits") and not switch.paused("plan")
-    assert INSTRUMENTOR.report()["paused"] == ["route", "hits"]
-    # What a part implies: no routing without the plan, no gathering without the hash reuse's record.
-    assert paused_parts(["plan"]) == ["plan", "route"]
-    assert paused_parts(["hashes"]) == ["hashes", "gather"] and not switch.paused("plan")
-    assert paused_parts() == list(switch.PARTS)  # all
-    assert paused_parts(()) == [] and not any(switch.paused(p) for p in switch.PARTS)
-    with pytest.raises(ValueError, match=r"unknown shared-prefix part\(s\) \['hash'\]: the parts are plan"):
-        paused_parts(["hash"])
-    assert not any(switch.paused(p) for p in switch.PARTS)  # a refused call changes nothing

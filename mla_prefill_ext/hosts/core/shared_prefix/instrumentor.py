@@ -112,7 +112,6 @@ class SharedPrefixInstrumentor(Instrumentor):
             "steps_routed": routing.ROUTED[0],
             "steps": routing.STEPS[0],
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
-            "paused": [part for part in switch.PARTS if switch.paused(part)],  # switch.pause: benchmarks
         }
 
 

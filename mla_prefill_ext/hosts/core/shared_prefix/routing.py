@@ -139,7 +139,7 @@ def builder_threshold(builder: Any, common: Any, rows: np.ndarray | None) -> int
     """
     threshold = getattr(builder, "reorder_batch_threshold", None)
     n = common.num_reqs
-    if rows is None or threshold is None or threshold <= 1 or n < 2 or switch.paused("route"):
+    if rows is None or threshold is None or threshold <= 1 or n < 2:
         return None
     if getattr(builder.vllm_config, "speculative_config", None) is not None:
         return None
@@ -181,7 +181,7 @@ def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     scheduled = scheduler_output.num_scheduled_tokens
     SHAPES.append((len(scheduled), scheduler_output.total_num_scheduled_tokens, False))
     threshold = instance.reorder_batch_threshold
-    if threshold is None or threshold <= 1 or not _routing_on(instance) or switch.paused("route"):
+    if threshold is None or threshold <= 1 or not _routing_on(instance):
         return wrapped(*args, **kwargs)
     lowered = step_threshold(instance.input_batch, scheduled, threshold)
     if lowered is None:

@@ -131,7 +131,7 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``MLACommonMetadataBuilder.build``: vLLM's metadata, with a shared-prefix plan when one pays."""
     state = _state(instance)
     common = _arg(args, kwargs, "common_attn_metadata", 1)
-    on = state.decision.on and not switch.paused("plan")
+    on = state.decision.on
     rows, lowered = None, routing.current_threshold()  # the V1 runner's reorder decided it
     if on and state.usable:
         try:
