@@ -30,7 +30,6 @@ from mla_prefill_ext.hosts.core.shared_prefix import (
     needs,
     routing,
     step,
-    switch,
 )
 
 
