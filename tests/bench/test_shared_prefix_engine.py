@@ -577,12 +577,12 @@ def test_a_pause_side_without_its_engine_or_with_unknown_parts_is_refused(text, 
         parse_sides(text)
 
 
-def test_the_workers_pause_is_the_add_ons_own(paused_parts):
-    from mla_prefill_ext.hosts.core.shared_prefix import switch
+def test_the_workers_pause_is_the_benchmarks_path_parts(paused_parts):
+    from scripts.bench import path_parts
 
     assert engine.pause_shared_prefix(None, ["hits", "plan"]) == ["plan", "route", "hits"]
-    assert switch.paused("hits") and not switch.paused("gather")
-    assert engine.pause_shared_prefix(None, []) == [] and not switch.paused("hits")
+    assert path_parts.paused() == ["plan", "route", "hits"]
+    assert engine.pause_shared_prefix(None, []) == [] and path_parts.paused() == []
 
 
 def test_a_pause_side_names_what_its_parts_imply():

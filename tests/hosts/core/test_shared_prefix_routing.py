@@ -6,7 +6,7 @@ import types
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from mla_prefill_ext.hosts.core.shared_prefix import routing
+from mla_prefill_ext.hosts.core.shared_prefix import counters, routing
 
 
 def _step(tokens: dict[str, int]) -> SchedulerOutput:
@@ -19,11 +19,11 @@ def _step(tokens: dict[str, int]) -> SchedulerOutput:
 def test_every_reordered_step_is_recorded_with_its_requests_and_tokens():
     calls = []
     runner = types.SimpleNamespace(reorder_batch_threshold=None)  # a backend without a decode split
-    steps = routing.STEPS[0]
+    steps = counters.get("steps")
     for tokens in ({"a": 129}, {"b": 128, "c": 128, "d": 1}, {}):
         routing.may_reorder_batch(lambda *a, **k: calls.append(a), runner, (_step(tokens),), {})
     assert len(calls) == 3  # vLLM's reorder ran each time
-    assert routing.STEPS[0] == steps + 3
+    assert counters.get("steps") == steps + 3
     assert list(routing.SHAPES)[-3:] == [(1, 129, False), (3, 257, False), (0, 0, False)]
 
 

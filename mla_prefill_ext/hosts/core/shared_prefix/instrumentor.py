@@ -26,6 +26,7 @@ from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import (
     block_tables,
+    counters,
     layer,
     needs,
     routing,
@@ -107,9 +108,9 @@ class SharedPrefixInstrumentor(Instrumentor):
             "routing": self.routing,
             "runners": dict(block_tables.RUNNER_PROBLEMS),  # runner -> None (served) or why not
             "problem": self._state.skipped_reason,
-            "steps_with_segments": step.PLANNED[0],
-            "steps_routed": routing.ROUTED[0],
-            "steps": routing.STEPS[0],
+            "steps_with_segments": counters.get("steps_with_segments"),
+            "steps_routed": counters.get("steps_routed"),
+            "steps": counters.get("steps"),  # the V1 runner's reorders (every scheduled step there)
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
         }
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from mla_prefill_ext._logging import logger
-from mla_prefill_ext.hosts.core.shared_prefix import costs, switch
+from mla_prefill_ext.hosts.core.shared_prefix import costs, counters, switch
 from mla_prefill_ext.shared_prefix import find_shared_prefixes
 
 ROUTE_BELOW = 0.8
@@ -53,13 +53,11 @@ writes. Only their ratios matter."""
 
 _FLOPS_PER_US = {part: tflops * 1e6 for part, tflops in H200_TFLOPS.items()}  # TFLOP/s = 1e6 FLOP/us
 
-ROUTED = [0]  # steps whose short extends were routed here, in this process (evidence for benchmarks)
-STEPS = [0]  # steps the runner reordered (every scheduled step), in this process
 SHAPES: collections.deque[tuple[int, int, bool]] = collections.deque(maxlen=256)
-"""The last steps' (requests, scheduled tokens, routed), this process's: how a benchmark's call was
-split into steps (requests that reach an engine apart run in separate steps, each its own forward).
-Every step the runner reordered, one entry each as :data:`STEPS` counts them, empty ones included
-(``(0, 0, False)``: async scheduling's steps that only collect the previous step's output)."""
+"""The V1 runner's last steps' (requests, scheduled tokens, routed), this process's: how a benchmark's
+call was split into steps (requests that reach an engine apart run in separate steps, each its own
+forward). Every step the runner reordered, one entry each as the count ``steps`` counts them, empty ones
+included (``(0, 0, False)``: async scheduling's steps that only collect the previous step's output)."""
 _LOCAL = threading.local()  # this step's lowered threshold, between the reorder and the builders
 _USABLE = threading.Event()  # a builder found the path usable (its backend takes shared segments)
 
@@ -156,8 +154,7 @@ def builder_threshold(builder: Any, common: Any, rows: np.ndarray | None) -> int
 
 
 def _count_routed() -> None:
-    ROUTED[0] += 1
-    if ROUTED[0] == 1:
+    if counters.add("steps_routed") == 1:
         logger.info(
             "MLA shared-prefix prefill (mla-prefill-ext): a step's short extends that share a cached "
             "prefix run on the prefill path from now on, where that is cheaper (the first such step)."
@@ -176,7 +173,7 @@ def _routing_on(runner: Any) -> bool:
 def may_reorder_batch(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``GPUModelRunner._may_reorder_batch(scheduler_output)``: this step's threshold decided first."""
     _LOCAL.threshold = None
-    STEPS[0] += 1
+    counters.add("steps")
     scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
     scheduled = scheduler_output.num_scheduled_tokens
     SHAPES.append((len(scheduled), scheduler_output.total_num_scheduled_tokens, False))

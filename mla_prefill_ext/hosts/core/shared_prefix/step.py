@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, routing, switch
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, counters, routing, switch
 from mla_prefill_ext.shared_prefix import (
     ContextPlan,
     SegmentInstance,
@@ -26,8 +26,6 @@ from mla_prefill_ext.shared_prefix import (
     plan_context,
 )
 from mla_prefill_ext.shared_prefix.views import CHUNKS_ATTR
-
-PLANNED = [0]  # steps that ran with shared segments, in this process (evidence for benchmarks)
 
 STEP_ATTR = "mla_shared_step"
 _ABSENT = object()
@@ -230,8 +228,7 @@ def plan_step(
             prepare(prefill)
         raise
     setattr(prefill, STEP_ATTR, shared)
-    PLANNED[0] += 1
-    if PLANNED[0] == 1:
+    if counters.add("steps_with_segments") == 1:
         s = plan.segments[0]
         logger.info(
             "MLA shared-prefix prefill (mla-prefill-ext): the first step with a shared prefix: %d "
