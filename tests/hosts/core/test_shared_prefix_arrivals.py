@@ -7,6 +7,7 @@ scheduler (an engine core process without its executor and sockets: only what th
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import random
@@ -197,7 +198,7 @@ def proc_class():
 
     core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
     engine_core.INSTRUMENTOR.uninstrument(core)
-    assert engine_core.arrival_problem(core) is None
+    assert engine_core.arrival_problem() is None
     assert engine_core.INSTRUMENTOR.instrument(core), engine_core.INSTRUMENTOR.report()["problem"]
     yield core
     engine_core.INSTRUMENTOR.uninstrument(core)
@@ -218,6 +219,8 @@ def _idle_proc(core, config, scheduler, hasher):
     proc._idle_state_callbacks = []
     proc.reject_new_requests = False  # vLLM 0.33: not paused
     proc.mm_receiver_cache = None
+    proc._deferred_inputs = collections.deque()  # vLLM 0.34: inputs a step put off, handled first
+    proc.prefix_hash_config = None  # vLLM 0.34 (preprocess_add_request): no hashes from the front end
     return proc
 
 
@@ -232,13 +235,18 @@ def _burst(proc, prompts, gap_s, hold: threading.Event | None = None):
     ids = [f"burst{random.random()}" for _ in prompts]
 
     def run():
-        for i, (rid, tokens) in enumerate(zip(ids, prompts, strict=True)):
-            if i:
-                time.sleep(gap_s)
-                if hold is not None:
-                    hold.wait()
-            request = engine_core_request(rid, tokens)
-            proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
+        try:
+            for i, (rid, tokens) in enumerate(zip(ids, prompts, strict=True)):
+                if i:
+                    time.sleep(gap_s)
+                    if hold is not None:
+                        hold.wait()
+                request = engine_core_request(rid, tokens)
+                proc.input_queue.put_nowait((EngineCoreRequestType.ADD, proc.preprocess_add_request(request)))
+        except BaseException:
+            # A wake-up, so that vLLM's wait (blocking) returns and the test fails instead of hanging.
+            proc.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+            raise
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -346,26 +354,39 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, opted_i
     assert arrivals.GATHERS[0] == gathers
 
 
-def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathering(monkeypatch, caplog):
-    """The gathering's shape is checked apart from the block-hash and lookup reuse's."""
+# A vLLM whose engine core process hands a client call to another method: a row of the gathering's
+# table (needs.py) that does not hold.
+OTHER_HANDLER = "vllm.v1.engine.core.EngineCoreProc._handle_client_request lacks parameters ['request_type']"
+
+
+def _other_handler(monkeypatch, proc_cls) -> None:
+    monkeypatch.setattr(proc_cls, "_handle_client_request", lambda self, kind, request: None)
+
+
+def test_a_busy_loop_of_another_shape_keeps_the_reuse_and_says_why_not_the_gathering(monkeypatch, addon_log):
+    """The gathering's shape (its rows of needs.py) is checked apart from the block-hash and lookup
+    reuse's."""
     import importlib
+    import logging
 
     from mla_prefill_ext.hosts import VLLM_ENGINE_CORE_MODULE
 
+    logging.getLogger("vllm.mla_prefill_ext").setLevel(logging.INFO)
     core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
     engine_core.INSTRUMENTOR.uninstrument(core)
-    # A vLLM whose input thread no longer preprocesses: its requests' timing is not known here.
-    monkeypatch.setattr(core.EngineCoreProc, "process_input_sockets", lambda self: None)
+    _other_handler(monkeypatch, core.EngineCoreProc)
     try:
-        assert engine_core.arrival_problem(core) == (
-            "EngineCoreProc.process_input_sockets no longer calls preprocess_add_request"
-        )
+        assert engine_core.arrival_problem() == OTHER_HANDLER
         assert engine_core.INSTRUMENTOR.instrument(core)
         paths = {path for path, _ in engine_core.INSTRUMENTOR.state().wrappers.handles}
         assert engine_core.FACTORY in paths and engine_core.KV_INIT in paths
         assert arrivals.TARGET not in paths and arrivals.INPUT_TARGET not in paths
         report = engine_core.INSTRUMENTOR.report()
-        assert report["instrumented"] and report["gather_problem"].endswith("calls preprocess_add_request")
+        assert report["instrumented"] and report["gather_problem"] == OTHER_HANDLER
+        assert any(
+            "steps at its first request as vLLM does" in r.getMessage() and OTHER_HANDLER in r.getMessage()
+            for r in addon_log
+        )
     finally:
         engine_core.INSTRUMENTOR.uninstrument(core)
 
@@ -401,7 +422,7 @@ def test_an_invalid_window_stops_an_mla_engine_core_at_start(
         # A busy loop of another shape: no gathering there, so its window stops nothing.
         clean_selection.setenv("MLA_PREFILL_SHARED_PREFIX_GATHER_MS", "soon")
         engine_core.INSTRUMENTOR.uninstrument(proc_class)
-        monkeypatch.setattr(proc_class.EngineCoreProc, "process_input_sockets", lambda self: None)
+        _other_handler(monkeypatch, proc_class.EngineCoreProc)
         assert engine_core.INSTRUMENTOR.instrument(proc_class)
         assert engine_core.INSTRUMENTOR.report()["gather_problem"]
         with pytest.raises(AttributeError):
@@ -478,6 +499,44 @@ def test_an_engine_core_with_vllms_hasher_never_waits(proc_class, core_config, c
     gathers = arrivals.GATHERS[0]
     proc._process_input_queue()
     assert arrivals.GATHERS[0] == gathers and "_mla_gather_s" not in proc.__dict__
+
+
+def test_an_engine_core_whose_hash_reuse_turned_off_never_waits(proc_class, core_config, opted_in):
+    """A reusing hasher turned off (its first reuse differed from vLLM's hashes): its record of sharing
+    is not trusted, the engine core steps at its first request as vLLM's."""
+    config, scheduler = core_config
+    hasher = _hasher()
+    rng = random.Random(7)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
+    hasher._turn_off("a test says so")
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    gathers = arrivals.GATHERS[0]
+    ids = _wait_then_release(proc, [prefix + [i + 1] * BLOCK for i in range(3)])
+    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
+    assert "_mla_gather_s" not in proc.__dict__  # nothing to wait for: the window not even read
+    assert not arrivals.shares_a_prefix(hasher, set(ids))
+
+
+def test_an_engine_core_without_what_the_gathering_reads_runs_as_vllms(proc_class, core_config, opted_in):
+    """An engine core process of another shape at run time (here without the input queue the wrapper
+    takes a burst from): vLLM's own wait alone, nothing gathered, also when the wait took a request
+    that shares a prefix."""
+    config, scheduler = core_config
+    hasher = _hasher()
+    rng = random.Random(8)
+    prefix = [rng.randrange(1000) for _ in range(4096)]
+    donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
+    proc = _idle_proc(proc_class, config, scheduler, hasher)
+    del proc.input_queue
+    sharing = _request(prefix + [1] * BLOCK, hasher)
+
+    def wait():  # vLLM's wait, taking one request over the shared prefix
+        scheduler.add_request(sharing)
+
+    gathers = arrivals.GATHERS[0]
+    arrivals.process_input_queue(wait, proc, (), {})
+    assert list(scheduler.requests) == [sharing.request_id] and arrivals.GATHERS[0] == gathers
 
 
 def test_paused_an_idle_engine_core_steps_at_its_first_request(

@@ -224,9 +224,8 @@ def test_a_memo_holding_a_wrong_block_turns_the_hits_off_and_returns_vllms_looku
     assert _cached(kv, [*prefix, 2], hasher, "b") == 24 * BLOCK  # remembered
     _cached(plain, [*prefix, 2], hasher, "b")
     memo = hits._memos[0]
-    wrong = kv.coordinator.find_longest_cache_hit(request([*other, 1], hasher, "x").block_hashes, 8 * BLOCK)[
-        0
-    ][0][3]
+    # Another prefix's fourth block, as vLLM's pool maps its hash.
+    wrong = kv.block_pool.get_cached_block(request([*other, 1], hasher, "x").block_hashes[3], [0])[0]
     memo.blocks[5], memo.keys[5] = wrong, wrong.block_hash
     req = request([*prefix, 3], hasher, "c")
     got, want = kv.get_computed_blocks(req)[:2], plain.get_computed_blocks(req)[:2]

@@ -148,8 +148,9 @@ def shares_a_prefix(hasher: Any, request_ids: Any) -> bool:
     """Whether one of ``request_ids`` has at least :data:`MIN_SHARED_TOKENS` leading tokens in common
     with a recent request (the reusing hasher's ``sharing``; vLLM's own hasher, or a reusing one turned
     off: never)."""
-    if not isinstance(hasher, ReusingHasher) or hasher.off is not None:
-        return False  # vLLM's hasher, or a reuse its first comparison with vLLM's turned off
+    if not isinstance(hasher, ReusingHasher):
+        return False
+    # A reusing hasher turned off cleared its record and adds nothing more to it.
     return any(tokens >= MIN_SHARED_TOKENS and rid in request_ids for rid, tokens in tuple(hasher.sharing))
 
 
