@@ -4,32 +4,14 @@
         [--grid 1024x8,1024x64,...] [--max-num-batched-tokens 4096] [--json out.json]
         [--tree LABEL=DIR --sides ...,FLASHINFER@LABEL --compare FLASHINFER/FLASHINFER@LABEL]
 
-One driver process holds one engine per side on the same GPU, all alive at once, and
-takes turns: every repetition sends the same fresh prompts (random token ids, so the
-prefix cache never hits) to every side, in an order that rotates from repetition to
-repetition, so drift of the host or the GPU reaches every side alike. One untimed
-repetition first. Prompt tokens/s of ``LLM.generate`` with ``max_tokens=1``.
-
-Each engine core is spawned (``VLLM_WORKER_MULTIPROC_METHOD=spawn``) with its own
-environment: ``stock`` with ``MLA_PREFILL_EXT_DISABLE=1`` (none of the add-on's code
-runs there), the others with ``MLA_PREFILL_BACKEND=<side>``. The driver itself runs
-with the add-on disabled, so no engine configuration carries a stamp. After start-up
-each engine's workers report which prefill backend their MLA layers own (stock: none,
-and the patch not applied) and where the add-on was imported from; the run stops if any
-side is not what it claims to be.
-
-A side ``NAME@LABEL`` runs the add-on from another code tree (``--tree LABEL=DIR``, a
-folder holding an ``mla_prefill_ext`` package, put first on that engine's PYTHONPATH):
-two versions of the add-on measured in one run, taking turns.
-
-Model (``--model``): by default DeepSeek-R1 as one GPU of TP=8 sees it
-(``scripts/bench/models/r1_tp8_slice``: 61 layers, 16 heads, hidden 7168, q_lora 1536,
-dense MLP 2304; its README says why), with vLLM's dummy weights (timing does not depend
-on the values). The GPU suite's tiny 4-layer model (``--model scripts/gpu_harness/tiny_deepseek_v2``)
-is host-bound: its single runs spread by +-25%. torch.compile + CUDA graphs by default,
-``--eager`` without; vLLM's default scheduling (async scheduling as vLLM decides;
-recorded per side). Works on vLLM 0.20 (the patch) and 0.23+ (the bridge): the check
-of what owns prefill reads either host.
+One driver process holds one engine per side on one GPU, all alive at once, taking turns in an order
+that rotates each repetition; the same fresh random prompts to every side (``max_tokens=1``), one
+untimed repetition first; prompt tokens/s. Each engine core is spawned with its own environment:
+``stock`` with ``MLA_PREFILL_EXT_DISABLE=1``, the others with ``MLA_PREFILL_BACKEND=<side>``; its
+workers report what owns their MLA prefill and the run stops if a side is not what it claims. A side
+``NAME@LABEL`` runs the add-on from another code tree (``--tree LABEL=DIR``, first on its PYTHONPATH).
+Model (``--model``): the 61-layer DeepSeek-R1 slice of one GPU at TP=8 (``scripts/bench/models/``),
+dummy weights; torch.compile and CUDA graphs unless ``--eager``. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -46,10 +28,10 @@ from typing import Any
 
 from . import common
 from .common import ROOT
+from .sides import SIDE_ENV
 
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
-SIDE_ENV = ("MLA_PREFILL_EXT_DISABLE", "MLA_PREFILL_BACKEND")
 SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"  # the shared-prefix path: "0" turns it off
 GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"  # its engine core's gathering of a burst: "0" off
 

@@ -5,36 +5,16 @@
         [--logs DIR] [--cache-root DIR] [--warm-cache DIR] [--flashinfer-cache DIR]
         [--keep-host-caches]
 
-Each side is one engine lifetime in a fresh process (this script with ``--child``), the sides
-one after the other, each alone on the GPU: ``stock`` runs with ``MLA_PREFILL_EXT_DISABLE=1``
-(vLLM as shipped), ``NAME`` with ``MLA_PREFILL_BACKEND=NAME``, and ``NAME-warm`` as ``NAME``
-but with the FlashInfer JIT cache that the earlier side ``NAME`` filled, or with ``--warm-cache
-DIR`` (e.g. one pre-built by ``mla-prefill-ext check --backend FLASHINFER --device cuda``).
-
-Caches: every side starts with fresh caches of its own under ``--cache-root`` (default: a
-temporary folder, removed at the end), as a new container would: FlashInfer's JIT cache
-(``FLASHINFER_WORKSPACE_BASE``), vLLM's compile cache (``VLLM_CACHE_ROOT``) and Triton's
-(``TRITON_CACHE_DIR``). ``--keep-host-caches`` leaves vLLM's and Triton's caches as the host has
-them (faster, but then a later side reuses what an earlier one compiled); ``--flashinfer-cache
-DIR`` gives every side that one FlashInfer cache instead of a fresh one.
-
-Engine: ``AsyncLLM`` (the engine ``vllm serve`` runs, without the HTTP server) on the tiny
-DeepSeek-V2 of the GPU suite (``scripts/gpu_harness/tiny_deepseek_v2``: R1 dims, 16 heads), dummy weights,
-no tokenizer (prompts are token ids), prefix caching on, and a small ``max_num_batched_tokens``
-so that long prompts prefill in chunks over their own earlier tokens: context chunks from the
-first requests on. torch.compile and CUDA graphs unless ``--eager``.
-
-"Up after": from launching the side's process to the engine being ready (imports, model, KV
-cache, the add-on's warm-up, compilation, CUDA graphs). First wave: ``--requests`` requests sent
-at once as soon as the engine is ready, greedy, 8 tokens each; prompt lengths 100-12,000 tokens,
-every fourth sharing a 6,000-token prefix (``--quick``: 16 requests of 100-6,000 tokens, a 3,000-
-token prefix); the same prompts on every side. A request's latency runs from sending it to its
-last token. After start-up and again after the wave, every worker reports which backend owns MLA
-prefill, the add-on's warm-ups (what, how long) and FlashInfer's JIT modules mapped in the process
-with its module getters' cache misses: a module loaded during the wave is a kernel the engine had
-not built or loaded before it reported ready.
-
-Raw results go to ``--json`` after each side, before any arithmetic; the table after that.
+Each side is one engine lifetime (``AsyncLLM``, the GPU suite's tiny DeepSeek-V2, dummy weights) in a
+fresh process of its own, alone on the GPU, with fresh caches under ``--cache-root``: FlashInfer's,
+vLLM's and Triton's (``--keep-host-caches``: the host's vLLM and Triton caches; ``--flashinfer-cache
+DIR``: one FlashInfer cache for every side). ``stock``: the add-on disabled; ``NAME``:
+``MLA_PREFILL_BACKEND=NAME``; ``NAME-warm``: as ``NAME``, with the FlashInfer cache side ``NAME``
+filled (or ``--warm-cache DIR``). "Up after": launch to ready. First wave: ``--requests`` requests
+(64; ``--quick``: 16) sent at once when ready, 8 tokens each; a request's latency runs to its last
+token. Each worker reports the backend owning MLA prefill, the add-on's warm-ups and the FlashInfer
+modules mapped, after start-up and after the wave. Raw results go to ``--json`` after each side.
+What it measures and the recorded results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -53,17 +33,16 @@ from typing import Any
 
 from . import common
 from .sides import (
-    SIDE_ENV,
     Side,
     add_side_arguments,
-    cache_env,
+    against_stock,
     failed_cells,
     markdown_table,
     modules_in_cache,
     parse_sides,
     percentile,
+    process_env,
     run_child,
-    side_env,
     time_for_side,
 )
 from .workload import MAX_TOKENS, MODEL_DIR, QUICK_WAVE, Wave, make_wave
@@ -118,13 +97,7 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every side's figures, with its p99 and start-up next to stock's where stock ran."""
-    rows = [side_summary(raw) for raw in sides]
-    stock = next((r for r in rows if r["side"] == "stock" and r["ok"]), None)
-    for row in rows:
-        if stock is not None and row["ok"]:
-            row["p99_vs_stock"] = row["p99_s"] / stock["p99_s"]
-            row["up_after_vs_stock_s"] = row["up_after_s"] - stock["up_after_s"]
-    return rows
+    return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s"], ["up_after_s"])
 
 
 COLUMNS = (
@@ -306,31 +279,20 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
             flashinfer, state = home / "flashinfer", "cold"
         if not side.warm and side.backend is not None:
             filled[side.backend] = flashinfer
-        env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
-        env.update(side_env(side))
-        env.update(cache_env(flashinfer, None if args.keep_host_caches else home))
-        env.update(
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc with worker_report
-            VLLM_USE_FLASHINFER_SAMPLER=env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-            HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-        )
+        host = None if args.keep_host_caches else home
+        # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with worker_report.
+        env = process_env(side, flashinfer, host, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         out = cache_root / f"{n}-{side.label}.json"
         log = Path(args.logs) / f"{side.label}.log" if args.logs else cache_root / f"{side.label}.log"
         # The side's process runs this module again (``--child``), from the same checkout.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
         command = [sys.executable, "-m", "scripts.bench", "first_request", "--child", side.label]
-        command += ["--out", str(out)]
-        command += [
-            "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens),
-            "--gpu-mem",
-            str(args.gpu_mem),
-        ]
+        command += ["--out", str(out), "--gpu-mem", str(args.gpu_mem)]
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         command += ["--quick"] * args.quick + ["--eager"] * args.eager
         command += ["--requests", str(args.requests)] if args.requests else []
         raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": state}
-        raw["flashinfer_cache"] = str(flashinfer)
-        raw["cache_before"] = modules_in_cache(flashinfer)
+        raw.update(flashinfer_cache=str(flashinfer), cache_before=modules_in_cache(flashinfer))
         limit, skipped = time_for_side(args, MIN_SIDE_S)
         if skipped is not None:
             raw.update(ok=False, returncode=None, error=skipped)
@@ -365,21 +327,7 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
 
 
 def header(args: argparse.Namespace, sides: list[Side]) -> dict[str, Any]:
-    from importlib import metadata
-
-    versions = {}
-    for package in ("vllm", "torch", "flashinfer-python", "mla-prefill-ext"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "command": sys.argv,
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
-        "sides_asked": [asdict(s) for s in sides],
-        "versions": versions,
-        "python": sys.version.split()[0],
-    }
+    return common.record(args=vars(args), sides_asked=[asdict(s) for s in sides])
 
 
 def main(argv: list[str] | None = None) -> int:

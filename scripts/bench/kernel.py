@@ -4,19 +4,13 @@
         [--backends FLASH_ATTN,FLASHINFER,TORCH_SDPA] [--dims r1|non-r1|all] [--device auto|cuda|cpu]
         [--shapes 1x1024,8x2048] [--heads 16] [--with-lse]
 
-TFLOP/s of each backend's run_prefill_new_tokens / run_prefill_context_chunk after
-prepare_metadata, next to the same kernel called directly with the same arguments
-(vllm_flash_attn's flash_attn_varlen_func, FlashInfer's planned wrapper), timed as
-``mla-prefill-ext bench`` times (``mla_prefill_ext.bench.timing``: repeated launches after warm-up,
-from a synchronised device to a synchronised device), the two sides interleaved round by round,
-median of the rounds. Then, per shape, the fastest backend measured and what automatic selection picks on
-this GPU. On the CPU (no GPU, or --device cpu) one smoke-sized case checks the script, not
-the numbers. Tables and plot from a run's log: kernel_report.py.
-
---shapes / --heads replace the grid's shapes (SEQSxNEW, each with one context chunk as long as
-the new tokens) and head counts. --with-lse adds the op new_tokens_lse: the new tokens with their
-LSE, as a step with cached context calls them (vLLM merges the context chunks' results with it);
-new_tokens is timed without it, as a step without context calls it.
+Each backend's ops after prepare_metadata next to its own kernel called with the arguments it
+prepared, timed as ``mla-prefill-ext bench`` times (``mla_prefill_ext.bench.timing``), the two
+interleaved round by round, median of the rounds; then per shape the fastest backend and automatic
+selection's pick. On a CPU: one smoke-sized case (the script, not the numbers). ``--shapes`` /
+``--heads`` replace the grid's (SEQSxNEW, one context chunk as long as the new tokens each);
+``--with-lse`` adds ``new_tokens_lse``, the new tokens with their LSE as a step with context calls
+them. Tables and plot from a run's log: kernel_report. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

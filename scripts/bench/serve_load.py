@@ -4,38 +4,19 @@
         [--clients 64] [--eager] [--json out.json] [--logs DIR] [--cache-root DIR] [--port 8731]
         [--max-num-batched-tokens N] [--gpu-mem 0.5] [--side-timeout S] [--deadline EPOCH]
 
-The load of the first-request issue, sent to vLLM's OpenAI server over loopback HTTP: ``--clients``
-concurrent clients (default 64) share ``--requests`` completions (default 2,000), each client
-sending its next request as soon as its previous one is answered; prompts of 100-12,000 tokens
-(token ids: the model has no tokenizer), every fourth starting with one shared 6,000-token prefix,
-8 tokens out, greedy; the same requests in the same order on every side.
-
-Each side is one server lifetime (``python -m vllm.entrypoints.cli.main serve``, what ``vllm
-serve`` runs), one after the other, each alone on the GPU, each with fresh caches of its own as a
-new container has them: FlashInfer's JIT cache, vLLM's compile cache and Triton's (the sides and
-their caches as in ``first_request.py``: ``stock`` with the add-on disabled, ``NAME`` with
-``MLA_PREFILL_BACKEND=NAME``). The model is the GPU suite's tiny DeepSeek-V2 (4 layers, R1 dims,
-16 heads), dummy weights, prefix caching on, torch.compile and CUDA graphs unless ``--eager``,
-vLLM's own ``max_num_batched_tokens`` unless given, Triton MoE (vLLM's automatic MoE choice on
-Hopper would JIT-build FlashInfer's CUTLASS MoE on every cold side: minutes, not the MLA path).
-
-"Up after": from launching the server to ``/health`` answering 200 (the moment a load balancer
-sends traffic). The load starts then. Per side: errors (a status other than 200, or no answer),
-prompt tokens per second over the whole load (prompt tokens the server reports / wall time from
-the first request sent to the last answer), latency (sending a request to its answer) p50, p99 and
-max over all requests, and the p99 of the first wave (each client's first request: the requests
-that meet a cold engine). And what happened to the side's FlashInfer cache: modules there when the
-server was ready and after the load; a module that appears after ready is a kernel built on a
-request's time. The add-on's warm-up lines are taken from the server's log, and the log must show the
-side's prefill: the add-on's selection line for a backend side, none of them for stock.
-
-Raw results go to ``--json`` after each side, before any arithmetic; the table after that.
+``--clients`` concurrent clients share ``--requests`` completions over loopback HTTP, each sending its
+next request when its previous one is answered: first_request's prompt mix (token ids), 8 tokens out,
+greedy, the same on every side. Each side is one server lifetime (``vllm serve`` on the tiny
+DeepSeek-V2, dummy weights, Triton MoE), one after the other, alone on the GPU, with fresh caches of
+its own; ``stock`` runs with the add-on disabled, ``NAME`` with ``MLA_PREFILL_BACKEND=NAME``. "Up after":
+launch to ``/health`` answering 200. Per side: errors, prompt tokens/s, latency p50/p99/max, the first
+wave's p99 (each client's first request), FlashInfer modules built after ready; the server's log must
+show the side's backend. Raw results go to ``--json`` after each side. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import subprocess
@@ -50,16 +31,15 @@ from typing import Any
 
 from . import common
 from .sides import (
-    SIDE_ENV,
     Side,
     add_side_arguments,
-    cache_env,
+    against_stock,
     failed_cells,
     markdown_table,
     modules_in_cache,
     parse_sides,
     percentile,
-    side_env,
+    process_env,
     stop_server,
     time_for_side,
 )
@@ -141,13 +121,7 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every side's figures, with its p99 and up-time next to stock's where stock ran."""
-    rows = [side_summary(raw) for raw in sides]
-    stock = next((r for r in rows if r["side"] == "stock" and "p99_s" in r), None)
-    for row in rows:
-        if stock is not None and "p99_s" in row:
-            row["p99_vs_stock"] = row["p99_s"] / stock["p99_s"]
-            row["first_wave_p99_vs_stock"] = row["first_wave_p99_s"] / stock["first_wave_p99_s"]
-    return rows
+    return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s", "first_wave_p99_s"])
 
 
 COLUMNS = (
@@ -273,13 +247,7 @@ def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list
     if skipped is not None:
         raw.update(ok=False, error=skipped)
         return raw
-    env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
-    env.update(side_env(side))
-    env.update(cache_env(flashinfer, home))
-    env.update(
-        VLLM_USE_FLASHINFER_SAMPLER=env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-    )
+    env = process_env(side, flashinfer, home)
     log = Path(args.logs) / f"{side.label}.log" if args.logs else home / "server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{args.port}"

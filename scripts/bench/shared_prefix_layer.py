@@ -5,45 +5,19 @@
         [--private 0] [--private-only] [--new 32,128,512,1024] [--sides vllm,shared,absorbed]
         [--num-splits 0] [--repeats 10] [--json out.json]
 
-DeepSeek-R1's MLA as one GPU of TP=8 sees it (16 heads, kv_lora 512, rope 64, nope 128, v 128),
-bf16, block size 64, vLLM's 64k-row context workspace. ``--requests`` prefill requests hold the
-same ``--prefix`` cached tokens (the same block ids, as prefix caching gives them), then
-``--private`` cached tokens of their own, and add ``--new`` tokens each (``--private-only``: no
-shared prefix, each request only its own ``--private`` context). Three sides (``--sides``):
-
-* ``vllm``: vLLM's own prefill plan (each request's whole context gathered and up-projected in
-  workspace passes, one varlen attention per pass);
-* ``shared``: the prefix gathered and up-projected once, one attention of every member's queries
-  over it, then each request's private context;
-* ``absorbed``: what vLLM's decode path does with the same requests (short extends, at most 512
-  new tokens, are decodes for FLASH_ATTN_MLA on Hopper): ``q_nope x W_UK^T`` (one bmm, 128 -> 512
-  per head), FA3's causal varlen paged call over the latent cache with ``q_v`` exactly as
-  ``FlashAttnMLAImpl.forward_mqa`` makes it (``seqused_k`` = context + new tokens, whose latents
-  are in the cache as after vLLM's cache update; FA3 scheduler metadata from
-  ``get_scheduler_metadata`` as ``FlashAttnMLAMetadataBuilder._schedule_decode`` computes it, once
-  per step, not timed), then ``_v_up_proj``'s bmm with ``W_UV`` (512 -> 128 per head).
-  ``--num-splits``: the builder's ``max_num_splits`` (0, FA3 decides, unless full CUDA graphs are
-  on and the step's decode tokens fit the capture size: then
-  ``flash_attn_max_num_splits_for_cuda_graph``, 32 by default).
-
-``vllm`` and ``shared`` run through ``mla_prefill_ext.shared_prefix.execute.compute_context`` with
-the same add-on backend (a subclass declaring ``accepts_shared_context_segments``), vLLM's gather
-kernel and ``merge_attn_states``. They time the context part only; ``absorbed`` also covers the
-new tokens' attention to themselves (causal), which the prefill path does in a separate call (about
-N / (2 x context) of the context attention's work) not timed here.
-
-Times are medians of ``--repeats`` CUDA-event timings after two warm-up calls (planning, a
-host-side step done once per step in the builder, is not in them; ``plan_ms`` gives it). The
-outputs of the two prefill plans are compared (largest |difference| of the output and the LSE), and
-a small case is checked against float64 attention: the plans over each whole context, the absorbed
-side (its output) over each whole sequence, causal.
-
-Crossover: per point, the fastest side, and the router's time model
-(``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost``: FLOPs over the H200 rates, over the
-groups the step planner forms) next to the measured ``absorbed_ms / shared_ms``. The router moves a
-step's short extends to the prefill path when the predicted prefill time < ``ROUTE_BELOW`` x the
-absorbed time, i.e. when the predicted ``absorbed / prefill`` exceeds 1 / ``ROUTE_BELOW``; a decision
-is right when the measured ratio is on the same side of that margin.
+DeepSeek-R1's MLA as one GPU of TP=8 sees it (16 heads), bf16, block size 64, vLLM's 64k-row context
+workspace. ``--requests`` requests hold the same ``--prefix`` cached tokens, then ``--private`` cached
+tokens of their own (``--private-only``: no shared prefix), and add ``--new`` tokens each. Sides:
+``vllm`` (vLLM's prefill plan: each request's whole context gathered and up-projected in workspace
+passes), ``shared`` (the prefix gathered and up-projected once, one attention of every member's queries
+over it, then each private context), both through ``shared_prefix.execute.compute_context`` with the
+same backend, context part only; ``absorbed`` (vLLM's decode path for the same requests: the W_UK bmm,
+FA3's paged call as ``FlashAttnMLAImpl.forward_mqa`` makes it, the W_UV bmm; ``--num-splits``: the
+builder's ``max_num_splits``), which also covers the new tokens' own attention. Medians of
+``--repeats`` CUDA-event timings after warm-up (``plan_ms``: the planning, not in them); the two
+plans' outputs compared, and a small case against float64. Per point: the fastest side and the
+router's time model (``routing.route_cost``) next to the measured ``absorbed_ms / shared_ms``, and
+whether the router's decision (``ROUTE_BELOW``) matches. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -55,26 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import common
-from .shared_prefix_case import BLOCK_SIZE, R1_TP8, block_table, decode_table, make_case
-from .shared_prefix_crossover import SHORT_EXTEND_MAX, SIDES, crossover, crossover_lines, predicted_cost
-from .shared_prefix_decode_path import absorbed_weights, decode_metadata, prepare_absorbed, v_up_proj
-
-__all__ = [  # the pieces this benchmark is made of (its tests read them here)
-    "BLOCK_SIZE",
-    "R1_TP8",
-    "SHORT_EXTEND_MAX",
-    "SIDES",
-    "absorbed_weights",
-    "block_table",
-    "crossover",
-    "crossover_lines",
-    "decode_metadata",
-    "decode_table",
-    "make_case",
-    "predicted_cost",
-    "prepare_absorbed",
-    "v_up_proj",
-]
+from .shared_prefix_case import BLOCK_SIZE, R1_TP8, make_case
+from .shared_prefix_crossover import SIDES, crossover, crossover_lines, predicted_cost
+from .shared_prefix_decode_path import prepare_absorbed
 
 WORKSPACE_ROWS = 65536  # vLLM 0.20's cap on the context workspace (min(max(8 x max_model_len, ...), 64k))
 

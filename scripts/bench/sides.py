@@ -9,6 +9,7 @@ through this module.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import time
@@ -68,6 +69,28 @@ def cache_env(flashinfer: Path, host: Path | None) -> dict[str, str]:
     if host is not None:
         env.update(VLLM_CACHE_ROOT=str(host / "vllm"), TRITON_CACHE_DIR=str(host / "triton"))
     return env
+
+
+def process_env(side: Side, flashinfer: Path, host: Path | None, **extra: str) -> dict[str, str]:
+    """A side's process environment: this one with the side's switch (the add-on's others removed),
+    its caches (:func:`cache_env`), FlashInfer's sampler off and Hugging Face offline unless set."""
+    env = {k: v for k, v in os.environ.items() if k not in SIDE_ENV}
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return {**env, **side_env(side), **cache_env(flashinfer, host), **extra}
+
+
+def against_stock(
+    rows: list[dict], ran: str, ratios: Sequence[str], differences: Sequence[str] = ()
+) -> list[dict]:
+    """Each row that has ``ran`` with ``ratios`` (``X`` -> ``X_vs_stock``, its value / stock's) and
+    ``differences`` (``X_s`` -> ``X_vs_stock_s``, its value - stock's), where stock has ``ran`` too."""
+    stock = next((r for r in rows if r["side"] == "stock" and ran in r), None)
+    for row in rows:
+        if stock is not None and ran in row:
+            row.update({f"{k.removesuffix('_s')}_vs_stock": row[k] / stock[k] for k in ratios})
+            row.update({f"{k.removesuffix('_s')}_vs_stock_s": row[k] - stock[k] for k in differences})
+    return rows
 
 
 def modules_in_cache(base: Path) -> list[str]:

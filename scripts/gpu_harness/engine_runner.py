@@ -1,58 +1,25 @@
 #!/usr/bin/env python3
 """Runs one vLLM 0.20 engine scenario on the tiny DeepSeek-V2 and writes its results as JSON.
 
-A scenario is one engine lifetime in a fresh process (so that the add-on's
-environment switches reach vLLM's child processes as they would for a user):
-
     python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
         [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks|shared] \\
         [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench] \\
         [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse|segment-scale]
 
-Weights: ``sharp`` (default) loads the seeded sharp-attention checkpoint
-(scripts/gpu_harness/make_sharp_checkpoint.py) from ``--model-dir``, generating it first into a
-cache folder when no folder is given; on those weights a wrong prefill backend changes
-logprobs and tokens. ``dummy`` is vLLM's ``load_format="dummy"`` (uniform +-1e-3: attention
-is uniform and almost any backend gives the same tokens), kept for start-up-only scenarios.
+One engine lifetime in a fresh process (the add-on's switches reach vLLM's children as a user's
+would). Weights: ``sharp`` (default; make_sharp_checkpoint.py, generated into a cache folder without
+``--model-dir``), on which a wrong backend changes logprobs and tokens, or vLLM's ``dummy`` (start-up
+scenarios). Greedy, ``MAX_TOKENS`` tokens per prompt, recording tokens, their logprobs and the top-2
+(verdict.py). Prompt sets: ``parity`` (every prefill path and a prefix-cache hit), ``chunks`` (a
+12288-token prompt extending a cached 8192-token one, then a fresh 10000-token one), ``shared``
+(:func:`shared_prompt_sets`: requests over one cached prefix, each set in one ``generate`` call).
 
-Prompt sets, greedy, ``MAX_TOKENS`` tokens each, and per prompt the tokens, the chosen
-tokens' logprobs and the top-2 logprobs at each position (``logprobs=2``: verdicts
-tell near-ties from real flips, see verdict.py):
-
-* ``parity``: a batch that takes every prefill path (plain, chunked prefill over prior
-  context) and a prefix-cache hit;
-* ``chunks``: an 8192-token prompt (fills the prefix cache), then a 12288-token prompt
-  sharing its first 8192 tokens (one step of 4096 new tokens over 8192 cached ones),
-  then a fresh 10000-token prompt (chunked prefill over its own context);
-* ``shared``: requests sharing one cached prefix of ``SHARED_PREFIX`` tokens, each set in one
-  ``generate`` call (:func:`shared_prompt_sets`): the prefix alone (fills the cache), 16 short
-  extends of 200 fresh tokens (vLLM's decode path; the shared-prefix path routes them to the
-  prefill path), 8 extends of 1200 fresh tokens, then 8 private contexts of 704 tokens after the
-  prefix (cached by a first call) each extended by 600 fresh tokens. This set runs with
-  ``SHARED_MAX_NUM_BATCHED_TOKENS`` so that every set's requests are scheduled in one step.
-
-``--context-chunk-tokens N`` (test-only) lowers the MLA metadata builder's
-chunked-context workspace to N tokens, so that context is processed in chunks of N
-tokens (divided among the requests with context): with N = 2048 the 12288-token prompt
-merges 4 context chunks in one step. It wraps ``MLACommonMetadataBuilder.__init__`` (and
-``build``, to record the chunks) with wrapt in this process before ``LLM(...)``; vLLM's
-engine core process inherits the wrapper because vLLM 0.20 starts it with ``fork`` (its
-default, unless CUDA is already initialized here or VLLM_WORKER_MULTIPROC_METHOD=spawn:
-a spawned process re-imports vLLM unwrapped). The wrapper writes what it did to a file
-from inside the engine process, and the run fails unless that evidence comes from a
-process other than this one.
-
-``--shared-evidence`` and ``--shared-mutant`` (test-only) wrap the add-on's shared-prefix
-context computation (``compute_context`` as ``mla_prefill_ext.hosts.core.shared_prefix.layer``
-calls it) the same way, before ``LLM(...)``, and record each call's plan from inside the engine
-process: ``--shared-evidence`` calls through unchanged; a mutant computes a deliberately wrong
-context (``other-prefix``: the shared segment gathers blocks that are not its prefix;
-``drop-segment-lse``: the shared segment never reaches the merge; ``segment-scale``: the shared
-segment's softmax scale 2% off), which the parity check must catch.
-
-With ``--bench``: prefill throughput (prompt tokens/s, ``max_tokens=1``) for a grid of shapes.
-
-Room for more executors: the ``LLM(...)`` arguments are built in :func:`llm_kwargs`.
+Test-only wrappers, installed with wrapt before ``LLM(...)`` and inherited by the forked engine core
+(the run fails unless their evidence comes from another process): ``--context-chunk-tokens N`` lowers
+the MLA builder's context workspace to N tokens (N = 2048: 4 context chunks in one step);
+``--decode-threshold`` lowers its ``reorder_batch_threshold``; ``--shared-evidence`` records each
+shared-prefix plan and ``--shared-mutant`` makes the shared context deliberately wrong
+(:func:`install_shared_context_wrapper`). ``--bench``: prefill throughput over a grid of shapes.
 """
 
 from __future__ import annotations

@@ -3,32 +3,14 @@
 
     python scripts/gpu_harness/make_sharp_checkpoint.py OUT_DIR [--seed 0] [--config CONFIG_JSON]
 
-Why: with ``load_format="dummy"`` vLLM fills every weight uniformly in +-1e-3, so
-attention scores are all ~0, attention is uniform, and a prefill backend that is
-wrong (softmax scale 2% off, LSE in the wrong base) still yields the same greedy
-tokens. With these weights the scores spread (the softmax logits have a standard
-deviation of about 5), so a wrong backend changes logprobs and tokens:
-
-* every norm weight is 1;
-* ``q_proj`` (or ``q_b_proj``) and ``kv_b_proj`` weights: normal, std 0.06;
-* every other weight (embeddings, ``kv_a_proj_with_mqa``, ``o_proj``, MLPs, experts,
-  router, ``lm_head``): normal, std 0.02;
-* drawn from one ``torch.Generator`` seeded with ``--seed``, tensor by tensor in sorted
-  name order, in float32, stored as bfloat16: the same seed gives the same bytes.
-
-The module tree (names and shapes) comes from transformers' ``DeepseekV2ForCausalLM``
-built from the config on the meta device (so transformers must accept the config).
-The tensors are written with ``safetensors`` directly, in the layout vLLM 0.20's
-``DeepseekV2ForCausalLM.load_weights`` reads: transformers >= 5 keeps routed experts
-fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``),
-and vLLM needs them per expert (``mlp.experts.E.{gate,up,down}_proj.weight``), which is
-also what transformers 4.x names them. Writing the file ourselves keeps the checkpoint
-identical whatever the transformers version. ``config.json`` is copied unchanged, so the
-engine sees exactly the configuration of the dummy-weight runs.
-
-Idempotent: when OUT_DIR already holds the weights and a marker written for the same
-seed, config and generator version, it does nothing. No tokenizer is written (the
-engines run with ``skip_tokenizer_init=True``).
+vLLM's dummy weights (uniform +-1e-3) make attention uniform: a wrong prefill backend (scale 2% off,
+LSE in base 2) still gives the same greedy tokens. Here the softmax logits spread (std about 5), so
+it does not: norms 1, ``q_proj``/``q_b_proj``/``kv_b_proj`` normal with std 0.06, every other weight
+std 0.02, drawn from one generator seeded with ``--seed`` tensor by tensor in sorted name order,
+stored as bfloat16 (the same seed, the same bytes). Names and shapes come from transformers'
+``DeepseekV2ForCausalLM`` on the meta device, written with safetensors in the per-expert layout
+vLLM's loader reads; ``config.json`` is copied unchanged. Idempotent (a marker records seed, config
+and generator version); no tokenizer (the engines skip it).
 """
 
 from __future__ import annotations

@@ -3,31 +3,14 @@
     python -m scripts.gpu_harness.scenarios --results DIR [--gpus 0,1] [--only a,b] [--bench]
         [--model-dir CKPT]
 
-Each scenario is one engine lifetime in its own process (scripts/gpu_harness/engine_runner.py).
-Every scenario that is compared with stock vLLM runs on the sharp-attention checkpoint
-(make_sharp_checkpoint.py), generated once before the first engine starts (into
-``--model-dir``, default ``DIR/sharp-checkpoint``); only ``invalid-explicit`` (a
-start-up failure) keeps vLLM's dummy weights. Single-GPU scenarios run in parallel,
-each taking the next free GPU from one queue; then multi-GPU ones take the GPUs they
-need, one scenario at a time.
-
-The ``*-chunks`` and ``mutant-*`` scenarios run the ``chunks`` prompt set with the
-builder's chunked-context workspace lowered to ``CONTEXT_CHUNK_TOKENS`` (so one step
-merges 4 context chunks), eager; they are compared with ``stock-chunks``. The mutants
-(mutant_backends.py) must fail that comparison.
-
-The ``*-shared*`` scenarios run the ``shared`` prompt set (requests sharing a cached prefix,
-tests/gpu/test_shared_prefix.py): several stock lifetimes (``stock-shared``, ``-2``, ``-3``: stock is
-not bit-reproducible across engine lifetimes everywhere) and stock with short extends on its
-prefill path (``stock-shared-prefill*``, ``--decode-threshold 1``: the reference for the path on,
-which routes them there), the add-on on FLASH_ATTN with its shared-prefix path on (the default),
-off (``MLA_PREFILL_SHARED_PREFIX=0``), with context in chunks of ``CONTEXT_CHUNK_TOKENS``,
-compiled, and two deliberately wrong shared paths (``--shared-mutant``) that must fail the
-comparison.
-
-More scenarios (e.g. Ray executors) are more :class:`Scenario` entries: flags for the
-runner (see ``engine_runner.llm_kwargs``), ``env`` for the runner's environment,
-``gpus`` for how many GPUs they take.
+Each scenario is one engine lifetime in its own process (engine_runner.py), on the sharp checkpoint
+(make_sharp_checkpoint.py, generated once into ``--model-dir``, default ``DIR/sharp-checkpoint``)
+but for ``invalid-explicit``. Single-GPU scenarios run in parallel, each on the next free GPU; then
+multi-GPU ones, one at a time. ``*-chunks`` and ``mutant-*``: the ``chunks`` prompt set with context
+chunks of ``CONTEXT_CHUNK_TOKENS``, against ``stock-chunks`` (the mutants must fail). ``*-shared*``:
+the ``shared`` prompt set (tests/gpu/test_shared_prefix.py): stock lifetimes, stock with short
+extends on its prefill path (``--decode-threshold 1``), the path on, off, in chunks, compiled, and
+wrong shared paths (``--shared-mutant``) that must fail.
 """
 
 from __future__ import annotations

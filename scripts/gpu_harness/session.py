@@ -4,21 +4,15 @@
     python -m scripts.gpu_harness.session multi --results DIR      # Ray (cluster started beforehand) + TP=2
     python -m scripts.gpu_harness.session verdicts --results DIR   # the engine assertions over DIR
     python -m scripts.gpu_harness.session shared-multi --results DIR [--names a,b]
-        # the shared-prefix path at TP=2, multiprocessing and Ray (a cluster started beforehand), one
-        # engine per GPU at a time; verdicts: tests/gpu/test_shared_prefix_tp2.py
+        # the shared-prefix path at TP=2, multiprocessing and Ray, one engine per GPU at a time;
+        # verdicts: tests/gpu/test_shared_prefix_tp2.py
 
-Engines run two per GPU (``--gpu-mem 0.3`` each; the tiny model needs little) to halve
-the wall time; numerics do not depend on it. That holds for vLLM 0.20.2; on vLLM 0.25.1 an engine's
-memory profiling fails while another process on its GPU allocates or frees (2026-12-04), so
-``shared-multi`` runs one engine per GPU at a time. FlashInfer's kernels JIT-compile on first
-use (about a minute): the kernel tests run first in one lane and the FLASHINFER engines
-follow in that lane, so no two processes compile the same kernel at once.
-
-``multi`` starts a Ray head from an environment with none of the add-on's variables
-(scripts/gpu_harness/ray_cluster.py), as a node started by hand would be, runs the Ray scenarios
-one after another against it while the multiprocessing TP=2 scenarios run beside them,
-then repeats the CUSTOM Ray scenario with the previous release of the add-on
-(``--old-addon DIR``: a folder holding that ``mla_prefill_ext``) to show what it missed.
+Engines run two per GPU (``--gpu-mem 0.3``) on vLLM 0.20.2; ``shared-multi`` and ``only`` one per GPU
+(vLLM 0.25.1's memory profiling fails while another process on its GPU allocates). FlashInfer's
+kernels JIT-compile in the kernel tests first, then its engines follow in that lane. ``multi``
+starts a Ray head from an environment without the add-on's variables (ray_cluster.py), runs the Ray
+scenarios against it beside the multiprocessing TP=2 ones, then the CUSTOM Ray scenario with
+``--old-addon DIR`` (a previous ``mla_prefill_ext``) to show what it missed.
 """
 
 from __future__ import annotations

@@ -1,47 +1,22 @@
 """Verdicts on engine outputs: is a scenario's greedy decode what stock vLLM's is?
 
-A record is one prompt's result as ``scripts/gpu_harness/engine_runner.py`` writes it:
-``prompt_len``, ``tokens`` (greedy), ``logprobs`` (of each chosen token) and, since
-the runner asks for ``logprobs=2``, ``top2`` (the two highest logprobs at each
-position, highest first). A verdict compares a candidate's records with the
-reference's (stock vLLM), prompt by prompt:
+A record is one prompt's result as engine_runner.py writes it: ``prompt_len``, ``tokens``, their
+``logprobs`` and ``top2`` (the two highest logprobs at each position). A verdict compares a
+candidate's records with stock's, prompt by prompt:
 
-* :func:`identical`: the same kernel runs on both sides (the add-on's FLASH_ATTN, a
-  CUSTOM backend delegating to it): the tokens are equal and every logprob (and
-  top-2 logprob) is bit-equal.
-* :func:`bf16_noise`: another kernel (FLASHINFER): positions are compared while the
-  tokens agree; the largest ``|logprob difference|`` there must stay within
-  ``bound``. A greedy token flip is allowed only where stock's own top-1 and top-2
-  logprobs at that position are within ``bound`` of each other (a near-tie that
-  bf16 rounding can tip) and, unless stock's top two are exactly tied, only to
-  stock's runner-up; after a flip the rest of that sequence is not compared (it
-  continues from another token). Any other flip fails.
+* :func:`identical`: the same kernel on both sides: equal tokens, bit-equal logprobs and top-2.
+* :func:`bf16_noise`: another kernel: while the tokens agree, the largest ``|logprob difference|``
+  stays within ``bound``; a greedy flip is allowed only at a near-tie of stock (its top-1 and top-2
+  within ``bound``) and, unless exactly tied, only to stock's runner-up; after a flip that sequence
+  is not compared further.
+* :func:`family_noise` (a kernel of another family, FA2-like: the bound vLLM's own kernel of that
+  family gives, :func:`kernel_family_bound`) and :func:`lifetime_noise` (a prompt set on which stock
+  differs between its own engine lifetimes: the bound those give, :func:`lifetime_bound`).
 
-The bound, :data:`BF16_NOISE_BOUND` = 0.06 (natural-log units), and why:
-
-* measured on the H200 with the sharp-attention checkpoint
-  (``make_sharp_checkpoint.py``): FLASHINFER against stock (FlashAttention 3), the
-  largest logprob difference was 0.031, with one greedy flip, at a near-tie. Two
-  different bf16 attention kernels differ by output rounding (2^-9 relative per
-  element) and accumulation order, amplified through 4 layers and the LM head: 0.031
-  is that noise. The bound leaves about 2x headroom over it, so the FlashInfer
-  scenarios do not fail on noise alone;
-* the smallest real error worth catching, a softmax scale 2% too large, moved
-  logprobs by up to 0.2 on the same weights (over 3x the bound) and changed the
-  greedy tokens of 5 of 6 prompts, at positions that were not near-ties: both
-  checks fail it. An LSE in base 2 instead of the natural log mis-weights every
-  context-chunk merge and fails them as well (the mutation scenarios prove both).
-
-The bound is to be re-justified by each new set of GPU measurements: the engine
-tests print every verdict's ``max_diff`` and flips.
-
-The bound is that of the FA3 family (FA3 and FlashInfer's fa3 kernel, the same algorithm).
-A kernel of another family parts further from stock on these weights, vLLM's own included:
-on vLLM 0.25.1, vLLM's FA2 prefill against its FA3 (the same engine otherwise) differed by
-0.094 with two flips that the rule above refuses (docs/gpu-verification.md). For such a
-backend (TORCH_SDPA runs PyTorch's flash kernel, an FA2) :func:`family_noise` applies
-the bound that calibration gives, with headroom (:func:`kernel_family_bound`); the
-mutants fail that one too.
+:data:`BF16_NOISE_BOUND` = 0.06: FLASHINFER against stock's FA3 on the sharp checkpoint differed by
+0.031 at most (about 2x headroom); a softmax scale 2% off moved logprobs by up to 0.2 and flipped
+tokens away from near-ties, and an LSE in base 2 fails too (the mutation scenarios prove both). The
+bound is re-justified by each new set of GPU measurements (docs/gpu-verification.md).
 """
 
 from __future__ import annotations

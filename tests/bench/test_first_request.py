@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench import first_request as bench
+from scripts.bench import sides as side_runner
 from scripts.bench import workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +29,8 @@ def test_sides_parse_with_their_switches():
         ("FLASHINFER", "FLASHINFER", False),
         ("FLASHINFER-warm", "FLASHINFER", True),
     ]
-    assert bench.side_env(sides[0]) == {"MLA_PREFILL_EXT_DISABLE": "1"}
-    assert bench.side_env(sides[3]) == {"MLA_PREFILL_BACKEND": "FLASHINFER"}
+    assert side_runner.side_env(sides[0]) == {"MLA_PREFILL_EXT_DISABLE": "1"}
+    assert side_runner.side_env(sides[3]) == {"MLA_PREFILL_BACKEND": "FLASHINFER"}
 
 
 def test_a_warm_side_needs_the_cache_it_reuses():
@@ -41,13 +42,23 @@ def test_a_warm_side_needs_the_cache_it_reuses():
 
 
 def test_cache_env_keeps_or_isolates_the_hosts_caches(tmp_path):
-    fresh = bench.cache_env(tmp_path / "fi", tmp_path / "side")
+    fresh = side_runner.cache_env(tmp_path / "fi", tmp_path / "side")
     assert fresh == {
         "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi"),
         "VLLM_CACHE_ROOT": str(tmp_path / "side" / "vllm"),
         "TRITON_CACHE_DIR": str(tmp_path / "side" / "triton"),
     }
-    assert bench.cache_env(tmp_path / "fi", None) == {"FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")}
+    assert side_runner.cache_env(tmp_path / "fi", None) == {"FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")}
+
+
+def test_a_sides_process_gets_its_own_switch_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLA_PREFILL_BACKEND", "FLASH_ATTN")  # the driver's own: not the side's
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the caller's choice stays
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)  # unset: off
+    env = side_runner.process_env(bench.parse_sides("stock")[0], tmp_path / "fi", None, EXTRA="1")
+    assert env["MLA_PREFILL_EXT_DISABLE"] == "1" and "MLA_PREFILL_BACKEND" not in env
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "fi") and "VLLM_CACHE_ROOT" not in env
+    assert (env["HF_HUB_OFFLINE"], env["VLLM_USE_FLASHINFER_SAMPLER"], env["EXTRA"]) == ("0", "0", "1")
 
 
 @pytest.mark.parametrize("wave", [bench.Wave(), bench.QUICK_WAVE])
@@ -185,7 +196,7 @@ def test_a_side_that_cannot_start_is_recorded_and_the_rest_still_written(tmp_pat
     assert [s["side"] for s in data["sides"]] == ["stock", "TORCH_SDPA"]
     assert all(not s["ok"] and s["returncode"] not in (0, None) for s in data["sides"])
     assert [r["ok"] for r in data["table"]] == [False, False]
-    assert data["versions"]["vllm"] == "0.20.2"
+    assert data["environment"]["vllm"] == "0.20.2"
     assert (tmp_path / "logs" / "stock.log").read_text()  # the child's own output, for the reader
     assert "| stock | failed: exit status" in proc.stdout
 

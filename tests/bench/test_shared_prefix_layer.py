@@ -16,6 +16,8 @@ import torch
 from vllm_runner_objects import runner_input_batch
 
 from scripts.bench import shared_prefix_layer as bench
+from scripts.bench.shared_prefix_case import block_table, decode_table
+from scripts.bench.shared_prefix_crossover import SHORT_EXTEND_MAX
 
 pytestmark = pytest.mark.vllm_patch  # the script records vLLM 0.20.2's FLASH_ATTN_MLA call
 
@@ -46,7 +48,7 @@ def test_options_that_cannot_be_run_are_refused(argv, error, capsys):
 def test_private_only_drops_the_shared_prefix():
     args = bench.parse_args(["--private", "8192", "--private-only"])
     assert (args.prefix, args.private) == (0, 8192)
-    table = bench.block_table(args.requests, args.prefix, args.private)
+    table = block_table(args.requests, args.prefix, args.private)
     rows = [set(r[:128].tolist()) for r in table]
     assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1 :])  # no block in two requests
 
@@ -94,8 +96,8 @@ def test_the_absorbed_side_is_attention_over_context_and_new_tokens(private):
 
 
 def test_the_decode_table_gives_each_request_its_own_new_blocks():
-    table = bench.block_table(2, 128, 100)  # 2 shared blocks, 2 private each (the second partly filled)
-    decode = bench.decode_table(table, [228, 228], 100, first_free=7)
+    table = block_table(2, 128, 100)  # 2 shared blocks, 2 private each (the second partly filled)
+    decode = decode_table(table, [228, 228], 100, first_free=7)
     assert decode.tolist() == [[0, 1, 2, 3, 7, 8], [0, 1, 4, 5, 9, 10]]
 
 
@@ -130,7 +132,7 @@ def test_the_absorbed_call_passes_what_vllms_flash_attn_mla_passes():
 
 
 def test_the_prediction_is_the_routers_time_model_with_the_prefix_up_projected_once():
-    table = bench.block_table(16, 32768, 0)
+    table = block_table(16, 32768, 0)
     p = bench.predicted_cost(table, [32768] * 16, 128)
     attention = 16 * 128 * 32768  # (query, context token) pairs, per head
     # FLOPs per head over the H200 rates (TFLOP/s = 1e6 FLOP per microsecond)
@@ -145,7 +147,7 @@ def test_the_time_model_matches_the_h200_layer_measurement_where_flops_alone_did
     """One R1 layer on the H200 (docs/results/h200-2026-12-01-shared-prefix-engine-run2): absorbed / shared
     measured 1.06x at N=32, 2.23x at 128, 3.08x at 256, 3.44x at 512 (16 requests, 32k shared prefix).
     By FLOPs alone the router predicted 1.89x at N=32 and moved a step that only broke even."""
-    table = bench.block_table(16, 32768, 0)
+    table = block_table(16, 32768, 0)
     measured = {32: 1.06, 128: 2.23, 256: 3.08, 512: 3.44}
     for new, ratio in measured.items():
         p = bench.predicted_cost(table, [32768] * 16, new)
@@ -154,12 +156,12 @@ def test_the_time_model_matches_the_h200_layer_measurement_where_flops_alone_did
 
 
 def test_private_contexts_and_long_extends_are_not_moved():
-    private = bench.predicted_cost(bench.block_table(16, 0, 8192), [8192] * 16, 512)
+    private = bench.predicted_cost(block_table(16, 0, 8192), [8192] * 16, 512)
     assert private["groups"] == 0 and not private["router_moves"]
     assert private["prefill_us"] == pytest.approx(
         2 * 320 * 16 * 512 * 8192 / 739e6 + 2 * 512 * 256 * 16 * 8192 / 215e6
     )
-    long = bench.predicted_cost(bench.block_table(16, 32768, 0), [32768] * 16, 1024)
+    long = bench.predicted_cost(block_table(16, 32768, 0), [32768] * 16, 1024)
     assert long["groups"] == 1 and not long["short_extends"] and not long["router_moves"]
 
 
@@ -234,9 +236,9 @@ def _runner_batch(table, context_lens, new):
 def test_the_prediction_decides_as_the_router_does_on_vllms_input_batch(requests, prefix, private, new):
     from mla_prefill_ext.hosts.core.shared_prefix import routing
 
-    table = bench.block_table(requests, prefix, private)
+    table = block_table(requests, prefix, private)
     ctx = [prefix + private] * requests
-    decode = bench.decode_table(table, ctx, new, first_free=int(table.max()) + 1)
+    decode = decode_table(table, ctx, new, first_free=int(table.max()) + 1)
     batch, scheduled = _runner_batch(decode, ctx, new)
-    routed = routing.step_threshold(batch, scheduled, bench.SHORT_EXTEND_MAX) == 1
+    routed = routing.step_threshold(batch, scheduled, SHORT_EXTEND_MAX) == 1
     assert bench.predicted_cost(table, ctx, new)["router_moves"] == routed
