@@ -52,7 +52,7 @@ nothing), so that requests sharing nothing never push a shared prefix out. A new
 one takes its place, one it covers moves it to the front."""
 
 _ABSENT = object()
-# What vLLM's extra keys read on a request (0.20.2, 0.25.1, 0.33.0): all empty means no extra keys.
+# What vLLM's extra keys read on a request (0.20.2-0.34.0): all empty means no extra keys.
 _EXTRA_KEY_SOURCES = ("mm_features", "lora_request", "cache_salt", "prompt_embeds")
 
 

@@ -85,7 +85,7 @@ def lookup_problem(coordinator: Any) -> str | None:
 
     Written for vLLM's ``UnitaryKVCacheCoordinator`` over one ``FullAttentionManager`` (MLA's spec
     is a full-attention spec), hashed at the cache's block size, without EAGLE's dropped last block
-    (0.20-0.25 ``eagle_group_ids``, 0.33 ``drop_eagle_group_ids``), context parallelism or 0.33's
+    (0.20-0.25 ``eagle_group_ids``, 0.33+ ``drop_eagle_group_ids``), context parallelism or 0.33+
     lookahead hashes.
     """
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
