@@ -5,61 +5,29 @@
         [--points 16x32,16x128,16x512,8x1024,4x2048] [--reps 5] [--eager] [--gpu-mem 0.28]
         [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
 
-Sides, all alive at once in this driver process on one GPU (as in ``engine``, whose start-up and
-checks this reuses): ``stock`` (``MLA_PREFILL_EXT_DISABLE=1``: none of the add-on runs), ``NAME``
-(``MLA_PREFILL_BACKEND=NAME``, the shared-prefix path as the add-on sets it: on where supported) and
-``NAME:noshare`` (the same with ``MLA_PREFILL_SHARED_PREFIX=0``), ``NAME:gather`` (the path on, its
-engine core's gathering of a burst at 100 ms, the default; ``NAME:gather40``: 40 ms) and
-``NAME:nogather`` (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``: it steps at its first request);
-``stock:2``, ``NAME:2``, ``NAME:noshare:3``, ...: another engine of that configuration, its own
-lifetime (what lifetimes of one configuration differ by, against what a configuration costs); and sides
+Sides, all alive at once in this driver process on one GPU (start-up and checks as in ``engine``):
+``stock``, ``NAME`` (the path as the add-on sets it), ``NAME:noshare`` (``MLA_PREFILL_SHARED_PREFIX=0``),
+``NAME:gather`` / ``NAME:gather40`` (the engine core's gathering at 100 / 40 ms), ``NAME:nogather``
+(``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``); ``stock:2``, ``NAME:noshare:3``, ...: another lifetime of
+that configuration; and sides
 without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
 paused there for them (the add-on's ``switch.pause`` through ``collective_rpc``, outside the timing, one GPU),
 ``NAME:pause-route+hits`` those parts only (of plan, route, hashes, hits, gather; the plan's pause takes
 routing with it, the hashes' the gathering): the path on and off in one engine lifetime, where two
 lifetimes of one engine can differ by more than what is measured; each side on a shared engine gets fresh
 tokens of its own.
-Each engine's workers report what owns their MLA prefill and the shared-prefix switches they see; the
-run stops if a side is not what it claims to be. Prefix caching on, the 61-layer R1 slice
-(``scripts/bench/models/r1_tp8_slice``, one GPU of TP=8, dummy weights), torch.compile + CUDA graphs
-unless ``--eager``.
+Prefix caching on, the 61-layer R1 slice (one GPU of TP=8, dummy weights), compiled unless ``--eager``.
 
-Scenarios (points BxN: B requests, N fresh prompt tokens each):
-  shared   one cached prefix of P tokens (each of ``--prefix-lens``) shared by B requests, ``--points``
-  private  B requests, each with its own cached prefix of ``--private-prefix-len`` tokens,
-           ``--private-points``
-  fresh    the ``--points`` prompts with no cached prefix at all (N fresh tokens only)
-  decode   B requests sharing the ``--decode-prefix-len`` prefix, ``--decode-points``, each generating
-           ``--decode-tokens`` tokens (the whole generate timed; output tokens/s reported)
-Before a point's timed runs, its prefixes are sent to every engine untimed (cached after the first
-time); then every side gets the same B prompts, prefix + N random tokens new for every request and
-every repetition, so only the prefixes hit the cache (each run's cached-token count is recorded and
-checked). Timed: ``LLM.generate`` with ``max_tokens=1`` (decode: ``--decode-tokens``, ``ignore_eos``).
-
-Taking turns: every repetition runs every point on every side, in an order of sides rotating from
-repetition to repetition; one untimed repetition first. Per point: each side's median seconds and
-each side's paired ratio to stock (stock seconds / side seconds of the same repetition, above 1 =
-faster): median [min-max]. With two or more stock lifetimes (``stock,stock:2``) also each side against
-every stock lifetime (``against_stock_lifetimes``): the stock lifetimes' paired medians among themselves,
-each other side's lowest and highest, and how far its lowest lies below theirs (the first stock engine is
-one place in the spread of lifetimes, not a fixed point). With pause sides, each against its host side
-(``pause_vs_host``): host seconds / pause seconds in their one engine lifetime, median with a 95% bootstrap
-interval (what the parts cost there, and what the run can resolve). JSON (``--json``, rewritten after every
-repetition): the command, the environment (vLLM, torch, GPU), the options, each engine's start-up
-report, every raw time and cached/output token count, then the table; the Markdown table is printed.
-
-Time: one engine start-up per side (each compiles unless ``--eager``), then ``--reps`` + 1 repetitions of
-every point on every side. ``--stop-after S``: no repetition starts that would end more than S
-seconds after the run began, judged by the last one's time (at least one timed repetition runs; the
-table then holds the repetitions done). Quick: ``--sides stock,FLASH_ATTN --scenarios shared
---prefix-lens 32768 --points 16x128,16x512 --reps 3``.
-
-Memory: every engine's workers forget the start-up's allocator peak once the engines are up and report
-the workload's peak at the end (``memory`` in the JSON, one line per worker): peak allocated, the KV
-cache it includes, the rest beyond it, and what the allocator reserves.
-
-Not here: counts of prefill calls per step (the repository's only counter is the CUSTOM example
-backend, ``examples/counting_backend.py``, a side of its own, not one of these).
+Scenarios (points BxN: B requests, N fresh tokens each): ``shared`` (one cached prefix of each of
+``--prefix-lens``), ``private`` (a cached ``--private-prefix-len`` prefix each), ``fresh`` (no cached
+prefix), ``decode`` (``--decode-tokens`` generated, output tokens/s). Prefixes are cached untimed first;
+the timed prompts are new every repetition, so only prefixes hit (recorded and checked). Every
+repetition runs every point on every side in a rotating order, one untimed first; per point each side's
+median seconds and paired ratio to stock (above 1: faster). With several stock lifetimes, each side
+against all of them (``against_stock_lifetimes``); with pause sides, each against its host
+(``pause_vs_host``, a 95% bootstrap interval). ``--stop-after S``: no repetition starts that would end
+past S seconds. Workers report the workload's memory peak (``memory``). ``--json`` is rewritten after
+every repetition. Results and the quick command: docs/benchmarks.md.
 """
 
 from __future__ import annotations

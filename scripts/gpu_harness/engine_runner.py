@@ -128,17 +128,10 @@ def ensure_checkpoint(model_dir: Path) -> Path:
 
 
 def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str, Any]]:
-    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, set its chunked-context
-    workspace size to ``tokens``; record each step's number of context chunks.
-
-    Returns ``(path, wrapper)`` pairs, for ``wrapt.unwrap_object`` (the CPU test unwraps them).
-
-    Lowering ``chunked_prefill_workspace_size`` after the stock init is safe in vLLM 0.20.2:
-    ``build()`` reads it (``max_context_chunk = size // prefills with context``, rounded down
-    to the page size) to cut the context into chunks and asserts every chunk fits in it; the
-    workspace tensor keeps its stock (larger) allocation, of which a chunk uses the first
-    rows. The layer's profile-run estimate reads its own copy of the stock size.
-    """
+    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, set its chunked-context workspace size
+    to ``tokens`` and record each step's context chunks; ``(path, wrapper)`` pairs (the CPU test
+    unwraps them). Safe on vLLM 0.20.2: ``build()`` cuts the context by that size, and the workspace
+    keeps its stock (larger) allocation, of which a chunk uses the first rows."""
     import wrapt
     from vllm.model_executor.layers.attention import mla_attention
 
@@ -170,15 +163,28 @@ def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str
     ]
 
 
+def _lines(evidence: Path) -> list[list[str]]:
+    """A test-only wrapper's evidence, each line split: ``PID WHAT ...`` (none: it never wrote)."""
+    return [line.split() for line in evidence.read_text().splitlines()] if evidence.exists() else []
+
+
+def _where(pids: set[int]) -> dict:
+    """Which processes wrote the evidence: ``ran_in_engine_process`` if some did and none is this one."""
+    here = os.getpid()
+    return {
+        "pids": sorted(pids),
+        "runner_pid": here,
+        "ran_in_engine_process": bool(pids) and here not in pids,
+    }
+
+
 def chunk_evidence(evidence: Path, tokens: int) -> dict:
-    """What the wrapper wrote; ``ok`` only if it ran in another process than this one."""
+    """What the context-chunk wrapper wrote (``ran_in_engine_process``: its builders' inits)."""
     inits, chunks = [], []
-    if evidence.exists():
-        for line in evidence.read_text().splitlines():
-            pid, what, *rest = line.split()
-            (inits if what == "init" else chunks).append((int(pid), *map(int, rest)))
-    engine_pids = sorted({pid for pid, *_ in inits + chunks})
-    summary = {
+    for pid, what, *rest in _lines(evidence):
+        (inits if what == "init" else chunks).append((int(pid), *map(int, rest)))
+    where = _where({pid for pid, *_ in inits + chunks})
+    return {
         "context_chunk_tokens": tokens,
         "builder_inits": len(inits),
         "stock_workspace_tokens": sorted({stock for _, stock, _ in inits}),
@@ -186,11 +192,9 @@ def chunk_evidence(evidence: Path, tokens: int) -> dict:
         "chunks_per_step": [n for _, n, _ in chunks],
         "max_chunks_per_step": max((n for _, n, _ in chunks), default=0),
         "max_chunk_tokens": max((m for _, _, m in chunks), default=0),
-        "pids": engine_pids,
-        "runner_pid": os.getpid(),
+        **where,
+        "ran_in_engine_process": where["ran_in_engine_process"] and bool(inits),
     }
-    summary["ran_in_engine_process"] = bool(inits) and os.getpid() not in engine_pids
-    return summary
 
 
 # --- test-only: vLLM's own prefill path for short extends ---------------------------------------
@@ -198,14 +202,9 @@ def chunk_evidence(evidence: Path, tokens: int) -> dict:
 
 def install_decode_threshold_wrapper(threshold: int, evidence: Path) -> list[tuple[str, Any]]:
     """After vLLM's own ``MLACommonMetadataBuilder.__init__``, lower its ``reorder_batch_threshold`` to
-    ``threshold`` (1: only one-token queries are decodes), so that stock vLLM serves short extends
-    on its prefill path, as it does with an MLA decode backend whose threshold is 1. The runner
-    reads the builders' thresholds after their construction (``calculate_reorder_batch_threshold``),
-    so the reorder and the builders' split agree. Records ``threshold STOCK NEW`` per builder.
-
-    The reference for a candidate that routes short extends to the prefill path: it compares
-    the prefill path's numerics with the prefill path's, not with the absorbed decode path's.
-    """
+    ``threshold`` (1: only one-token queries are decodes; the runner reads it after construction), so
+    that stock serves short extends on its prefill path: the reference for a candidate that routes
+    them there. Records ``threshold STOCK NEW`` per builder."""
     import wrapt
     from vllm.model_executor.layers.attention import mla_attention
 
@@ -221,22 +220,16 @@ def install_decode_threshold_wrapper(threshold: int, evidence: Path) -> list[tup
 
 
 def decode_threshold_evidence(evidence: Path, threshold: int) -> dict:
-    """What the threshold wrapper wrote; ``ok`` only if it ran in another process than this one."""
-    rows = []
-    if evidence.exists():
-        for line in evidence.read_text().splitlines():
-            pid, what, stock, new = line.split()
-            if what == "threshold":
-                rows.append((int(pid), int(stock), int(new)))
-    pids = sorted({pid for pid, _, _ in rows})
+    """What the threshold wrapper wrote."""
+    rows = [
+        (int(pid), int(stock), int(new)) for pid, what, stock, new in _lines(evidence) if what == "threshold"
+    ]
     return {
         "decode_threshold": threshold,
         "builder_inits": len(rows),
         "stock_thresholds": sorted({stock for _, stock, _ in rows}),
         "thresholds": sorted({new for _, _, new in rows}),
-        "pids": pids,
-        "runner_pid": os.getpid(),
-        "ran_in_engine_process": bool(rows) and os.getpid() not in pids,
+        **_where({pid for pid, _, _ in rows}),
     }
 
 
@@ -246,21 +239,15 @@ SHARED_LAYER_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.layer"
 
 
 def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
-    """Wrap ``compute_context`` where the shared-prefix layer hook calls it (``layer.compute_context``).
+    """Wrap ``compute_context`` where the shared-prefix layer hook calls it; each call writes one line
+    of evidence (pid, mode, passes, each segment's members, tokens and longest query).
 
-    ``mode``: ``record`` calls it unchanged; ``other-prefix`` shifts the plan's segment block table
-    by the segment's own width in blocks (modulo the cache's block count), so each segment gathers
-    the blocks after its prefix (other requests' blocks, or unused ones) instead of the prefix;
-    ``drop-segment-lse`` runs the plan without its segments, so the shared prefix never reaches the
-    merge (a step whose requests have no private context then gets no context at all: zero output
-    and an LSE of -inf, as vLLM writes for a request without context in a chunk);
-    ``segment-scale`` runs the segments with a softmax scale :data:`SEGMENT_SCALE_ERROR` times the
-    layer's (a copy of the segment instance; the smallest error the verdicts are meant to catch).
-    Each call writes
-    one line of evidence (pid, mode, each segment's members, tokens and member query lengths).
-
-    Returns ``(module, attribute, wrapper)``; :func:`uninstall_shared_context_wrapper` undoes it.
-    """
+    ``mode``: ``record`` calls it unchanged; ``other-prefix`` shifts the segment block table by its
+    width (each segment gathers blocks that are not its prefix); ``drop-segment-lse`` runs the plan
+    without its segments (with no private context either: zero output, LSE -inf, as vLLM writes for a
+    request without context); ``segment-scale`` scales the segments' softmax by
+    :data:`SEGMENT_SCALE_ERROR`. Returns ``(module, attribute, wrapper)`` for
+    :func:`uninstall_shared_context_wrapper`."""
     import copy
     import dataclasses
     import importlib
@@ -310,14 +297,17 @@ def uninstall_shared_context_wrapper(installed: tuple[Any, str, Any]) -> None:
 
 
 def shared_context_evidence(evidence: Path) -> dict:
-    """What the shared-context wrapper wrote; ``ok`` only if it ran in another process than this one."""
-    calls = []
-    if evidence.exists():
-        for line in evidence.read_text().splitlines():
-            pid, mode, segment_passes, private_passes, *segments = line.split()
-            shapes = [tuple(int(x) for x in s.split(":")) for s in segments]
-            calls.append((int(pid), mode, int(segment_passes), int(private_passes), shapes))
-    pids = sorted({c[0] for c in calls})
+    """What the shared-context wrapper wrote."""
+    calls = [
+        (
+            int(pid),
+            mode,
+            int(segment_passes),
+            int(private_passes),
+            [tuple(map(int, s.split(":"))) for s in segs],
+        )
+        for pid, mode, segment_passes, private_passes, *segs in _lines(evidence)
+    ]
     shapes = [s for c in calls for s in c[4]]
     return {
         "modes": sorted({c[1] for c in calls}),
@@ -329,9 +319,7 @@ def shared_context_evidence(evidence: Path) -> dict:
         "max_short_extend_members": max((m for m, _, q in shapes if q <= 512), default=0),
         "max_segment_passes": max((c[2] for c in calls), default=0),
         "max_private_passes": max((c[3] for c in calls), default=0),
-        "pids": pids,
-        "runner_pid": os.getpid(),
-        "ran_in_engine_process": bool(calls) and os.getpid() not in pids,
+        **_where({c[0] for c in calls}),
     }
 
 
@@ -543,22 +531,18 @@ def main() -> int:
     args.shared_mode = args.shared_mutant or ("record" if args.shared_evidence else None)
     if (args.context_chunk_tokens or args.shared_mode or args.decode_threshold) and args.spawn:
         parser.error("the test-only wrappers need the engine forked (see the module docstring)")
-    count_file = Path(args.out).with_suffix(".calls")
-    args.evidence = Path(args.out).with_suffix(".chunks")
-    args.evidence.unlink(missing_ok=True)
-    args.shared_evidence_file = Path(args.out).with_suffix(".shared")
-    args.shared_evidence_file.unlink(missing_ok=True)
-    args.threshold_evidence_file = Path(args.out).with_suffix(".threshold")
-    args.threshold_evidence_file.unlink(missing_ok=True)
-    if args.custom:
-        count_file.unlink(missing_ok=True)
-        os.environ["MLA_PREFILL_COUNT_FILE"] = str(count_file)
-    if args.example:
-        count_file.unlink(missing_ok=True)
-        os.environ["MLA_PREFILL_EXAMPLE_COUNT_FILE"] = str(count_file)
+    out = Path(args.out)
+    count_file = out.with_suffix(".calls")
+    args.evidence, args.shared_evidence_file, args.threshold_evidence_file = (
+        out.with_suffix(suffix) for suffix in (".chunks", ".shared", ".threshold")
+    )
+    for stale in (count_file, args.evidence, args.shared_evidence_file, args.threshold_evidence_file):
+        stale.unlink(missing_ok=True)
+    if args.custom or args.example:
+        variable = "MLA_PREFILL_EXAMPLE_COUNT_FILE" if args.example else "MLA_PREFILL_COUNT_FILE"
+        os.environ[variable] = str(count_file)
     if args.executor == "ray":
-        # The test's own counting variables: a user's backend that reads its own variables
-        # asks vLLM to copy them the same way. The add-on's own settings are not listed here.
+        # The test's own counting variables, copied as a user's backend would ask vLLM to copy its own.
         os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = (
             "MLA_PREFILL_COUNT_FILE,MLA_PREFILL_EXAMPLE_COUNT_FILE"
         )
@@ -592,15 +576,9 @@ def main() -> int:
         evidence = decode_threshold_evidence(args.threshold_evidence_file, args.decode_threshold)
         attach_evidence(record, "decode_threshold", evidence, f"the --decode-threshold wrapper {not_forked}")
     if args.shared_mode:
+        failure = f"the --shared-mutant {args.shared_mutant} wrapper {not_forked} (or made no shared plan)"
         evidence = shared_context_evidence(args.shared_evidence_file)
-        attach_evidence(
-            record,
-            "shared_context",
-            evidence,
-            f"the --shared-mutant {args.shared_mutant} wrapper never ran in the engine process "
-            "(no shared-prefix plan, or the engine core was spawned instead of forked)",
-            required=bool(args.shared_mutant),
-        )
+        attach_evidence(record, "shared_context", evidence, failure, required=bool(args.shared_mutant))
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
         record["custom_calls"] = {
