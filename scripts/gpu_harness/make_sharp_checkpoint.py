@@ -53,12 +53,8 @@ def transformers_parameter_shapes(config_path: Path) -> dict[str, tuple[int, ...
 
 
 def vllm_checkpoint_shapes(hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """transformers' names -> the per-expert checkpoint names vLLM's DeepseekV2 loader reads.
-
-    Fused routed experts (transformers >= 5) are split: ``gate_up_proj[e]`` is
-    ``[gate; up]`` along dim 0 (transformers chunks it in that order), ``down_proj[e]``
-    is expert ``e``'s ``down_proj.weight``. Everything else keeps its name.
-    """
+    """transformers' names -> the per-expert names vLLM's loader reads: fused routed experts
+    (transformers >= 5) split, ``gate_up_proj[e]`` as ``[gate; up]`` along dim 0."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in hf_shapes.items():
         fused = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
@@ -99,19 +95,14 @@ def make_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
     return tensors
 
 
-def read_marker(out_dir: Path) -> dict | None:
-    try:
-        return json.loads((out_dir / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def is_complete(out_dir: Path, seed: int, config_path: Path) -> bool:
-    marker = read_marker(out_dir)
+    try:
+        marker = json.loads((out_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
     weights = out_dir / WEIGHTS_FILE
     return (
-        marker is not None
-        and marker.get("seed") == seed
+        marker.get("seed") == seed
         and marker.get("generator_version") == GENERATOR_VERSION
         and marker.get("config_sha256") == config_digest(config_path)
         and weights.is_file()
@@ -121,24 +112,19 @@ def is_complete(out_dir: Path, seed: int, config_path: Path) -> bool:
 
 
 def make_checkpoint(out_dir: Path, seed: int = 0, config_path: Path = DEFAULT_CONFIG) -> Path:
-    """Write (or keep) the checkpoint in ``out_dir``; return ``out_dir``.
-
-    Safe to run from several processes at once: one writes, the others wait and keep it.
-    """
+    """Write (or keep) the checkpoint in ``out_dir``; return ``out_dir``. Several processes at once:
+    one writes, the others wait and keep it."""
     import fcntl
 
     out_dir = Path(out_dir)
     config_path = Path(config_path)
-    if is_complete(out_dir, seed, config_path):
-        print(f"sharp checkpoint (seed {seed}) already in {out_dir}", flush=True)
-        return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(out_dir, seed, config_path):  # another process wrote it meanwhile
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be writing it
+        if is_complete(out_dir, seed, config_path):
             print(f"sharp checkpoint (seed {seed}) already in {out_dir}", flush=True)
-            return out_dir
-        _write(out_dir, seed, config_path)
+        else:
+            _write(out_dir, seed, config_path)
     return out_dir
 
 

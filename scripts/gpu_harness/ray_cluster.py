@@ -39,16 +39,8 @@ def ray_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 def start(pythonpath: list[str], num_gpus: int = 2) -> str:
-    env = clean_env(pythonpath)
-    result = ray_cli(
-        "start",
-        "--head",
-        f"--port={PORT}",
-        f"--num-gpus={num_gpus}",
-        "--disable-usage-stats",
-        "--include-dashboard=false",
-        env=env,
-    )
+    flags = (f"--port={PORT}", f"--num-gpus={num_gpus}", "--disable-usage-stats", "--include-dashboard=false")
+    result = ray_cli("start", "--head", *flags, env=clean_env(pythonpath))
     print(result.stdout[-2000:], result.stderr[-2000:], sep="\n", flush=True)
     if result.returncode != 0:
         raise SystemExit(f"ray start failed ({result.returncode})")

@@ -35,6 +35,8 @@ SHARED = ("--prompts", "shared")
 SHARED_ADDON = (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-evidence")
 SHARED_CHUNKS = ("--context-chunk-tokens", str(CONTEXT_CHUNK_TOKENS))
 SHARED_OFF = (("MLA_PREFILL_SHARED_PREFIX", "0"),)
+SHARED_MUTANT = (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant")  # then the mutant's name
+MUTANT = ("--backend-env", "CUSTOM", *CHUNKS, "--custom-class")  # then the mutant backend's class path
 # Stock vLLM with short extends on its prefill path (only one-token queries are decodes), as the
 # path routes them: the reference for a candidate that routes (vLLM's absorbed decode path and its
 # prefill path are two computations; on the sharp checkpoint they differ beyond bf16 noise).
@@ -73,14 +75,8 @@ SCENARIOS = {
         Scenario("stock-chunks", ("--stock", *CHUNKS)),
         Scenario("shim-fa-chunks", ("--backend-env", "FLASH_ATTN", *CHUNKS)),
         Scenario("shim-fi-chunks", ("--backend-env", "FLASHINFER", *CHUNKS)),
-        Scenario(
-            "mutant-scale",
-            ("--custom-class", "mutant_backends.ScaleOffBackend", "--backend-env", "CUSTOM", *CHUNKS),
-        ),
-        Scenario(
-            "mutant-lse2",
-            ("--custom-class", "mutant_backends.Base2LseBackend", "--backend-env", "CUSTOM", *CHUNKS),
-        ),
+        Scenario("mutant-scale", (*MUTANT, "mutant_backends.ScaleOffBackend")),
+        Scenario("mutant-lse2", (*MUTANT, "mutant_backends.Base2LseBackend")),
         Scenario("stock-tp2", ("--stock", "--tp", "2"), gpus=2),
         Scenario("shim-fa-tp2", ("--backend-env", "FLASH_ATTN", "--tp", "2"), gpus=2),
         Scenario("shim-fi-tp2", ("--backend-env", "FLASHINFER", "--tp", "2"), gpus=2),
@@ -103,18 +99,9 @@ SCENARIOS = {
         Scenario("shim-fa-shared-2", (*SHARED_ADDON, "--eager")),
         Scenario("shim-fa-shared-off", (*SHARED_ADDON, "--eager"), env=SHARED_OFF),
         Scenario("shim-fa-shared-chunks", (*SHARED_ADDON, *SHARED_CHUNKS, "--eager")),
-        Scenario(
-            "mutant-shared-other-prefix",
-            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "other-prefix", "--eager"),
-        ),
-        Scenario(
-            "mutant-shared-drop-lse",
-            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "drop-segment-lse", "--eager"),
-        ),
-        Scenario(
-            "mutant-shared-segment-scale",
-            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "segment-scale", "--eager"),
-        ),
+        Scenario("mutant-shared-other-prefix", (*SHARED_MUTANT, "other-prefix", "--eager")),
+        Scenario("mutant-shared-drop-lse", (*SHARED_MUTANT, "drop-segment-lse", "--eager")),
+        Scenario("mutant-shared-segment-scale", (*SHARED_MUTANT, "segment-scale", "--eager")),
         Scenario("stock-shared-prefill-compiled", STOCK_PREFILL),
         Scenario("shim-fa-shared-compiled", SHARED_ADDON),
         # Shared-prefix parity at TP=2 with vLLM's multiprocessing executor (eager; the Ray ones need a
@@ -127,16 +114,16 @@ SCENARIOS = {
         Scenario("stock-shared-prefill-tp2-3", (*STOCK_PREFILL, *TP2), gpus=2),
         Scenario("shim-fa-shared-tp2", (*SHARED_ADDON, *TP2), gpus=2),
         Scenario("shim-fa-shared-off-tp2", (*SHARED_ADDON, *TP2), gpus=2, env=SHARED_OFF),
-        Scenario(
-            "mutant-shared-segment-scale-tp2",
-            (*SHARED, "--backend-env", "FLASH_ATTN", "--shared-mutant", "segment-scale", *TP2),
-            gpus=2,
-        ),
+        Scenario("mutant-shared-segment-scale-tp2", (*SHARED_MUTANT, "segment-scale", *TP2), gpus=2),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
 SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 1]
 SHARED_TP2_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 2]
+
+
+def stamp(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def default_model_dir(results: Path) -> Path:
@@ -149,7 +136,7 @@ def ensure_checkpoint(model_dir: Path) -> None:
 
     if make_sharp_checkpoint.is_complete(model_dir, SHARP_SEED, make_sharp_checkpoint.DEFAULT_CONFIG):
         return
-    print(f"[{time.strftime('%H:%M:%S')}] generating the sharp checkpoint in {model_dir}", flush=True)
+    stamp(f"generating the sharp checkpoint in {model_dir}")
     subprocess.run(
         [sys.executable, str(MAKE_CHECKPOINT), str(model_dir), "--seed", str(SHARP_SEED)], check=True
     )
@@ -179,7 +166,7 @@ def run_all(
     def start(s: Scenario, devices: str) -> subprocess.Popen:
         log = open(results / f"{s.name}.log", "w")
         env = {**os.environ, **dict(s.env), "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
-        print(f"[{time.strftime('%H:%M:%S')}] start {s.name} on GPU {devices}", flush=True)
+        stamp(f"start {s.name} on GPU {devices}")
         return subprocess.Popen(
             command(s, results, bench, model_dir), stdout=log, stderr=subprocess.STDOUT, env=env
         )
@@ -191,19 +178,16 @@ def run_all(
                 running[g] = (s, start(s, g))
         for g, (s, proc) in list(running.items()):
             if proc.poll() is not None:
-                print(
-                    f"[{time.strftime('%H:%M:%S')}] done {s.name} on GPU {g}: rc={proc.returncode}",
-                    flush=True,
-                )
+                stamp(f"done {s.name} on GPU {g}: rc={proc.returncode}")
                 del running[g]
         time.sleep(1)
     for s in multi:
         if s.gpus > len(gpus):
-            print(f"[{time.strftime('%H:%M:%S')}] skip {s.name}: needs {s.gpus} GPUs", flush=True)
+            stamp(f"skip {s.name}: needs {s.gpus} GPUs")
             continue
         proc = start(s, ",".join(gpus[: s.gpus]))
         proc.wait()
-        print(f"[{time.strftime('%H:%M:%S')}] done {s.name}: rc={proc.returncode}", flush=True)
+        stamp(f"done {s.name}: rc={proc.returncode}")
 
 
 def recorded_text(path: Path) -> str | None:

@@ -34,6 +34,7 @@ from scripts.gpu_harness.scenarios import (
     command,
     default_model_dir,
     ensure_checkpoint,
+    stamp,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,10 +95,6 @@ EXTRA = {
 ALL = {**SCENARIOS, **EXTRA}
 
 
-def stamp(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str | None = None) -> int:
     s = ALL[name]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
@@ -116,14 +113,38 @@ def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str |
 
 
 def lane(names: list[str], results: Path, devices: str, shared: list[str] | None = None) -> None:
+    """``names``, then scenarios from ``shared`` (a queue other lanes take from too) until it is empty."""
     for name in names:
         run_scenario(name, results, devices)
     while shared:
         try:
             name = shared.pop(0)
-        except IndexError:
-            break
+        except IndexError:  # another lane took the last one
+            return
         run_scenario(name, results, devices)
+
+
+def in_lanes(targets: list[tuple], stagger: float) -> None:
+    """Each ``(function, *args)`` in a thread of its own, started ``stagger`` seconds apart; all joined."""
+    threads = [threading.Thread(target=t[0], args=t[1:]) for t in targets]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)  # staggered starts: less contention while engines load
+    for t in threads:
+        t.join()
+
+
+def in_ray_cluster(names: list[str], results: Path, old_addon: Path | None = None) -> None:
+    """``names`` against a Ray head started for them (``old_addon`` first on its path), stopped after."""
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = [str(old_addon)] if old_addon else []
+    ray_cluster.stop()
+    ray_cluster.start([*first, *site, str(ROOT / "examples"), str(ROOT)])
+    try:
+        for name in names:
+            run_scenario(name, results, "0,1", *([str(old_addon)] if old_addon else []))
+    finally:
+        ray_cluster.stop()
 
 
 def shell(cmd: str, log: Path, devices: str) -> int:
@@ -163,90 +184,37 @@ def single(results: Path) -> None:
         warm.wait()
         lane(FLASHINFER_LANE, results, "1", shared)
 
-    threads = [
-        threading.Thread(target=kernels),
-        threading.Thread(target=lane, args=([], results, "0", shared)),
-        threading.Thread(target=lane, args=([], results, "0", shared)),
-        threading.Thread(target=lane, args=([], results, "1", shared)),
-        threading.Thread(target=flashinfer_lane),
-    ]
-    for t in threads:
-        t.start()
-        time.sleep(3)  # staggered starts: less contention while engines load
-    for t in threads:
-        t.join()
+    lanes = [(lane, [], results, g, shared) for g in ("0", "0", "1")]
+    in_lanes([(kernels,), *lanes, (flashinfer_lane,)], stagger=3)
 
 
 def multi(results: Path, old_addon: Path | None) -> None:
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    extra = [str(ROOT / "examples"), str(ROOT)]
-
     def ray_lane() -> None:
-        ray_cluster.stop()
-        ray_cluster.start([*site, *extra])
-        try:
-            for name in RAY_QUEUE:
-                run_scenario(name, results, "0,1")
-        finally:
-            ray_cluster.stop()
+        in_ray_cluster(RAY_QUEUE, results)
         if old_addon is not None:
-            ray_cluster.start([str(old_addon), *site, *extra])
-            try:
-                run_scenario("ray-old-custom", results, "0,1", extra_pythonpath=str(old_addon))
-            finally:
-                ray_cluster.stop()
+            in_ray_cluster(["ray-old-custom"], results, old_addon)
 
-    t = threading.Thread(target=ray_lane)
-    t.start()
-    time.sleep(5)
-    for name in TP2_QUEUE:
-        run_scenario(name, results, "0,1")
-    t.join()
+    in_lanes([(ray_lane,), (lane, TP2_QUEUE, results, "0,1")], stagger=5)
 
 
 def only(results: Path, names: list[str]) -> None:
     """Run scenarios one engine per GPU: single-GPU ones side by side, then multi-GPU ones alone, then
-    the Ray ones against a cluster started for them. One engine per GPU is what vLLM 0.25.1 needs: its
-    memory profiling fails while another process on its GPU allocates or frees (seen: "Error in memory
-    profiling", "No available memory for the cache blocks")."""
+    the Ray ones against a cluster started for them (vLLM 0.25.1's memory profiling fails while another
+    process on its GPU allocates or frees: "Error in memory profiling", "No available memory")."""
     ensure_checkpoint(default_model_dir(results))
     shared = [n for n in names if ALL[n].gpus == 1]
-    threads = [threading.Thread(target=lane, args=([], results, g, shared)) for g in ("0", "1")]
-    for t in threads:
-        t.start()
-        time.sleep(3)
-    for t in threads:
-        t.join()
+    in_lanes([(lane, [], results, g, shared) for g in ("0", "1")], stagger=3)
     ray = [n for n in names if "RAY_ADDRESS" in dict(ALL[n].env)]
     for name in (n for n in names if ALL[n].gpus > 1 and n not in ray):
         run_scenario(name, results, "0,1")
     if ray:
-        site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        ray_cluster.stop()
-        ray_cluster.start([*site, str(ROOT / "examples"), str(ROOT)])
-        try:
-            for name in ray:
-                run_scenario(name, results, "0,1")
-        finally:
-            ray_cluster.stop()
+        in_ray_cluster(ray, results)
 
 
 def verdicts(results: Path) -> int:
-    env = {**os.environ, "MLA_GPU_RESULTS": str(results)}
-    return subprocess.call(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-rs",
-            "-s",
-            "tests/gpu/test_engine.py",
-            f"--junitxml={results}/engine.xml",
-        ],
-        env=env,
-        cwd=ROOT,
-    )
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "tests/gpu/test_engine.py"]
+    command.append(f"--junitxml={results}/engine.xml")
+    return subprocess.call(command, env={**os.environ, "MLA_GPU_RESULTS": str(results)}, cwd=ROOT)
 
 
 def main() -> int:
@@ -259,14 +227,14 @@ def main() -> int:
     parser.add_argument("--old-addon", type=Path, help="folder holding the previous mla_prefill_ext")
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.names.split(",") if n]
     if args.phase == "single":
         single(args.results)
     elif args.phase == "multi":
         multi(args.results, args.old_addon)
-    elif args.phase == "shared-multi":  # the shared-prefix path at TP=2, or the --names given
-        only(args.results, [n for n in args.names.split(",") if n] or [*SHARED_TP2_QUEUE, *SHARED_RAY_QUEUE])
-    elif args.phase == "only":
-        only(args.results, [n for n in args.names.split(",") if n])
+    elif args.phase in ("only", "shared-multi"):  # shared-multi: the shared-prefix path at TP=2 by default
+        default = [*SHARED_TP2_QUEUE, *SHARED_RAY_QUEUE] if args.phase == "shared-multi" else []
+        only(args.results, names or default)
     else:
         return verdicts(args.results)
     return 0

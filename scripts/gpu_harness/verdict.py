@@ -196,10 +196,9 @@ def bf16_noise(
 
 
 def kernel_family_bound(calibration: Verdict, headroom: float = KERNEL_FAMILY_HEADROOM) -> float:
-    """The noise bound for a backend whose kernel is of another family than stock's (FA2-like against
-    FA3): how far vLLM's own kernel of that family is from stock (``calibration``: its bf16_noise
-    verdict against stock, passed or not), its largest logprob difference or near-tie gap, with
-    ``headroom``; never below :data:`BF16_NOISE_BOUND`."""
+    """The bound for a kernel of another family than stock's: ``headroom`` x the largest logprob
+    difference or near-tie gap of ``calibration`` (vLLM's own kernel of that family against stock,
+    passed or not); never below :data:`BF16_NOISE_BOUND`."""
     if calibration.compared_positions == 0 or not math.isfinite(calibration.max_diff):
         raise ValueError(f"a calibration must compare positions and stay finite: {calibration}")
     gaps = [f.reference_gap for f in calibration.flips if f.reference_gap is not None]
@@ -209,27 +208,22 @@ def kernel_family_bound(calibration: Verdict, headroom: float = KERNEL_FAMILY_HE
 def family_noise(
     candidate: Sequence[dict], reference: Sequence[dict], calibration: Verdict, label: str = ""
 ) -> Verdict:
-    """Another kernel family: no further from stock than vLLM's own kernel of that family is.
-
-    :func:`bf16_noise` with the bound :func:`kernel_family_bound` makes of ``calibration``, and a
-    flip at a near-tie may go to any token: vLLM's own FA2 prefill, against its FA3, picked a
-    third token at a near-tie (docs/gpu-verification.md, the 0.25.1 calibration)."""
+    """Another kernel family: :func:`bf16_noise` with :func:`kernel_family_bound` of ``calibration``,
+    a near-tie flip to any token (vLLM's own FA2 picked a third token at one, docs/gpu-verification.md)."""
     bound = kernel_family_bound(calibration)
     return bf16_noise(candidate, reference, bound, label, runner_up_only=False, kind="family_noise")
 
 
 def lifetime_calibrations(lifetimes: Sequence[tuple[str, Sequence[dict]]]) -> list[Verdict]:
-    """Stock against stock: :func:`bf16_noise` of every pair of ``lifetimes`` (label, records), passed or
-    not, the calibrations :func:`lifetime_bound` reads."""
+    """Stock against stock: :func:`bf16_noise` of every pair of ``lifetimes`` (label, records)."""
     return [
         bf16_noise(a, b, label=f"{la} vs {lb}") for (la, a), (lb, b) in itertools.combinations(lifetimes, 2)
     ]
 
 
 def lifetime_bound(calibrations: Sequence[Verdict], headroom: float = KERNEL_FAMILY_HEADROOM) -> float:
-    """The noise bound of a prompt set on which stock is not reproducible across engine lifetimes:
-    the widest of ``calibrations`` (bf16_noise verdicts of stock lifetimes against each other, passed
-    or not), as :func:`kernel_family_bound` reads one, with ``headroom``."""
+    """The widest of ``calibrations`` (stock lifetimes against each other), each read as
+    :func:`kernel_family_bound` reads one."""
     if not calibrations:
         raise ValueError("a lifetime bound needs at least one stock-against-stock verdict")
     return max(kernel_family_bound(c, headroom) for c in calibrations)
@@ -238,25 +232,14 @@ def lifetime_bound(calibrations: Sequence[Verdict], headroom: float = KERNEL_FAM
 def lifetime_noise(
     candidate: Sequence[dict], reference: Sequence[dict], calibrations: Sequence[Verdict], label: str = ""
 ) -> Verdict:
-    """No further from a stock lifetime than stock's lifetimes are from each other.
-
-    For a prompt set where two stock engines, identical but for their lifetime, already differ beyond
-    :data:`BF16_NOISE_BOUND` (the shared-prefix set: 16 short extends in one step over a cached prefix,
-    docs/gpu-verification.md): :func:`bf16_noise` with :func:`lifetime_bound` of ``calibrations``, a
-    flip at a near-tie to any token (stock's own lifetimes pick different tokens there)."""
+    """No further from a stock lifetime than stock's lifetimes are from each other (a prompt set where
+    they differ beyond :data:`BF16_NOISE_BOUND`: the shared-prefix set): :func:`bf16_noise` with
+    :func:`lifetime_bound`, a near-tie flip to any token (stock's own lifetimes pick different ones)."""
     bound = lifetime_bound(calibrations)
     return bf16_noise(candidate, reference, bound, label, runner_up_only=False, kind="lifetime_noise")
 
 
 def summary(verdict: Verdict) -> dict[str, Any]:
     """The verdict as plain data (for JSON)."""
-    return {
-        "kind": verdict.kind,
-        "label": verdict.label,
-        "passed": verdict.passed,
-        "max_diff": verdict.max_diff,
-        "bound": verdict.bound,
-        "compared_positions": verdict.compared_positions,
-        "flips": [vars(f) for f in verdict.flips],
-        "reason": verdict.reason,
-    }
+    keys = ("kind", "label", "passed", "max_diff", "bound", "compared_positions", "reason")
+    return {**{k: getattr(verdict, k) for k in keys}, "flips": [vars(f) for f in verdict.flips]}
