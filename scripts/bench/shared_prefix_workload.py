@@ -35,7 +35,7 @@ class SideSpec:
     (``NAME:noshare``), with the engine core's gathering of a burst opted in (``NAME:gather``, 100 ms;
     ``NAME:gather40``, 40 ms) or explicitly off (``NAME:nogather``); or no engine of its own:
     ``NAME:pause`` runs its calls on the engine of the side ``NAME`` with the path paused there for them
-    (``switch.pause``, all parts; ``NAME:pause-route+hits``: those parts, with what they imply), so the
+    (``path_parts.pause``, all parts; ``NAME:pause-route+hits``: those parts, with what they imply), so the
     path on and off compare
     within one engine lifetime."""
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mla_prefill_ext.hosts.core.shared_prefix import arrivals, engine_core
+from mla_prefill_ext.hosts.core.shared_prefix import arrivals, counters, engine_core
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 
 BLOCK = 16
@@ -291,15 +291,15 @@ def test_an_idle_engine_core_takes_a_shared_prefix_burst_into_one_step(
     _request(prefix + [0] * BLOCK, hasher)
     burst = [prefix + [i + 1] * BLOCK for i in range(8)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     producer, ids = _burst(proc, burst, GAP_S)
     proc._process_input_queue()  # vLLM's wait for work, as its busy loop calls it
     producer.join()
     taken = len(scheduler.requests)
     if window_ms != "1000":  # vLLM's behaviour: the step starts with what had arrived (the first)
-        assert taken < len(burst) and arrivals.GATHERS[0] == gathers
+        assert taken < len(burst) and counters.get("gathers") == gathers
     else:
-        assert taken == len(burst) and arrivals.GATHERS[0] == gathers + 1
+        assert taken == len(burst) and counters.get("gathers") == gathers + 1
         assert set(scheduler.requests) == set(ids)
 
 
@@ -310,9 +310,9 @@ def test_a_request_sharing_nothing_is_never_held(proc_class, core_config, opted_
     lone = [rng.randrange(1000) for _ in range(4096)]
     late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     ids = _wait_then_release(proc, [lone, late])
-    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
+    assert list(scheduler.requests) == ids[:1] and counters.get("gathers") == gathers
 
 
 def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_config, opted_in):
@@ -325,10 +325,10 @@ def test_a_busy_engine_core_takes_new_requests_as_vllm_does(proc_class, core_con
     scheduler.add_request(running)  # the engine has work, nothing to gather for
     later = [prefix + [i + 1] * BLOCK for i in range(4)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     _wait_then_release(proc, later)
     # The running request and at most the first of the later ones (put as the call began).
-    assert arrivals.GATHERS[0] == gathers and len(scheduler.requests) <= 2
+    assert counters.get("gathers") == gathers and len(scheduler.requests) <= 2
 
 
 def test_only_the_requests_the_wait_took_decide(proc_class, core_config, opted_in):
@@ -348,10 +348,10 @@ def test_only_the_requests_the_wait_took_decide(proc_class, core_config, opted_i
     late = [rng.randrange(1000) for _ in range(64)]
     proc = _idle_proc(proc_class, config, scheduler, hasher)
     assert not proc.has_work()
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     ids = _wait_then_release(proc, [lone, late])
     assert list(scheduler.requests) == [kept.request_id, ids[0]]
-    assert arrivals.GATHERS[0] == gathers
+    assert counters.get("gathers") == gathers
 
 
 # A vLLM whose engine core process hands a client call to another method: a row of the gathering's
@@ -477,10 +477,10 @@ def test_a_call_other_than_a_request_ends_the_gathering(proc_class, core_config,
 
     producer = threading.Thread(target=input_thread, daemon=True)
     producer.start()
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     proc._process_input_queue()
     producer.join()
-    assert set(scheduler.requests) == set(ids[:2]) and arrivals.GATHERS[0] == gathers + 1
+    assert set(scheduler.requests) == set(ids[:2]) and counters.get("gathers") == gathers + 1
     assert proc.input_queue.get_nowait()[1][0].request_id == ids[2]  # left for the next wait
 
 
@@ -496,9 +496,9 @@ def test_an_engine_core_with_vllms_hasher_never_waits(proc_class, core_config, c
     proc = _idle_proc(proc_class, config, scheduler, hasher.inner)
     producer, _ = _burst(proc, [prefix + [i + 1] * BLOCK for i in range(3)], 0.0)
     producer.join()
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     proc._process_input_queue()
-    assert arrivals.GATHERS[0] == gathers and "_mla_gather_s" not in proc.__dict__
+    assert counters.get("gathers") == gathers and "_mla_gather_s" not in proc.__dict__
 
 
 def test_an_engine_core_whose_hash_reuse_turned_off_never_waits(proc_class, core_config, opted_in):
@@ -511,9 +511,9 @@ def test_an_engine_core_whose_hash_reuse_turned_off_never_waits(proc_class, core
     donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the hashes' donor; in flight, it lends)
     hasher._turn_off("a test says so")
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     ids = _wait_then_release(proc, [prefix + [i + 1] * BLOCK for i in range(3)])
-    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
+    assert list(scheduler.requests) == ids[:1] and counters.get("gathers") == gathers
     assert "_mla_gather_s" not in proc.__dict__  # nothing to wait for: the window not even read
     assert not arrivals.shares_a_prefix(hasher, set(ids))
 
@@ -534,9 +534,9 @@ def test_an_engine_core_without_what_the_gathering_reads_runs_as_vllms(proc_clas
     def wait():  # vLLM's wait, taking one request over the shared prefix
         scheduler.add_request(sharing)
 
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     arrivals.process_input_queue(wait, proc, (), {})
-    assert list(scheduler.requests) == [sharing.request_id] and arrivals.GATHERS[0] == gathers
+    assert list(scheduler.requests) == [sharing.request_id] and counters.get("gathers") == gathers
 
 
 def test_paused_an_idle_engine_core_steps_at_its_first_request(
@@ -549,7 +549,7 @@ def test_paused_an_idle_engine_core_steps_at_its_first_request(
     donor = _request(prefix + [0] * BLOCK, hasher)  # noqa: F841 (the donor: the burst below would be gathered; in flight, it lends)
     paused_parts(["gather"])
     proc = _idle_proc(proc_class, config, scheduler, hasher)
-    gathers = arrivals.GATHERS[0]
+    gathers = counters.get("gathers")
     ids = _wait_then_release(proc, [prefix + [i + 1] * BLOCK for i in range(3)])
-    assert list(scheduler.requests) == ids[:1] and arrivals.GATHERS[0] == gathers
+    assert list(scheduler.requests) == ids[:1] and counters.get("gathers") == gathers
     assert hasher.reused_blocks > 0  # the hashes are another part: still reused

@@ -546,8 +546,8 @@ def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_comin
 def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshold(
     activated, model_dirs, small_groups_pay, paused_parts
 ):
-    """``switch.pause``, as a benchmark uses it between calls of one engine: each part, paused, does
-    what the path off does."""
+    """The benchmarks' pause (``scripts/bench/path_parts.py``), as they use it between calls of one
+    engine: each part, paused, does what the path off does."""
     import types
 
     from vllm.v1.core.sched.output import SchedulerOutput

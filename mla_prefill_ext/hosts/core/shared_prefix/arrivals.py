@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.shared_prefix import switch
+from mla_prefill_ext.hosts.core.shared_prefix import counters, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 from mla_prefill_ext.settings import GATHER_ENV, gather_window_ms
 
@@ -51,9 +51,8 @@ QUIET_S = 0.003
 MIN_SHARED_TOKENS = 2048
 """Leading tokens a request must share with a recent one for an idle engine core to wait for more."""
 
-GATHERS = [0, 0]
-"""In this process: gatherings begun (one that took nothing counts too), and the client calls they
-took (requests, and an abort or utility call that came within the burst)."""
+# Counted (counters.py): "gathers", gatherings begun (one that took nothing counts too), and "gathered",
+# the client calls they took (requests, and an abort or utility call that came within the burst).
 
 
 def decide(vllm_config: Any) -> tuple[float, str]:
@@ -195,7 +194,6 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
         instance.has_work()
         or not isinstance(hasher, ReusingHasher)
         or hasher.off is not None
-        or switch.paused("gather")
         or not hasattr(scheduler, "requests")
         or not callable(getattr(requests, "get", None))
         or not hasattr(instance, "vllm_config")
@@ -216,6 +214,6 @@ def process_input_queue(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> 
         instance.is_running,
         _activity(instance).idle_s,
     )
-    GATHERS[0] += 1
-    GATHERS[1] += taken
+    counters.add("gathers")
+    counters.add("gathered", taken)
     return result

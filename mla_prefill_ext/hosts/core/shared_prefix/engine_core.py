@@ -35,7 +35,7 @@ from typing import Any
 from mla_prefill_ext import versions
 from mla_prefill_ext._logging import log_once
 from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
-from mla_prefill_ext.hosts.core.shared_prefix import arrivals, needs, prefix_hits, switch
+from mla_prefill_ext.hosts.core.shared_prefix import arrivals, counters, needs, prefix_hits, switch
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import ReusingHasher
 from mla_prefill_ext.settings import gather_window_ms
 
@@ -200,8 +200,8 @@ class EngineCoreInstrumentor(Instrumentor):
             # Why the latest engine's reuse stopped at its first comparison with vLLM's (None: it did not).
             "hashes_off": latest.off if latest else None,
             "hits_off": hits.off if hits else None,
-            "gathers": arrivals.GATHERS[0],
-            "gathered": arrivals.GATHERS[1],
+            "gathers": counters.get("gathers"),
+            "gathered": counters.get("gathered"),
         }
 
 

@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.shared_prefix import switch
 
 DONORS = 8
 """Plain requests remembered per hasher, of each kind: those whose tokens it copied (they shared
@@ -178,7 +177,7 @@ class ReusingHasher:
         self.followers: list[Any] = []
 
     def __call__(self, request: Any) -> list[Any]:
-        if self.off is not None or request.block_hashes or not is_plain(request) or switch.paused("hashes"):
+        if self.off is not None or request.block_hashes or not is_plain(request):
             return self.inner(request)  # off, later blocks (decode), requests with extra keys, a pause
         bs = self.block_size
         full = request.num_tokens // bs

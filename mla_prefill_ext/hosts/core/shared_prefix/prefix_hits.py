@@ -37,7 +37,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from mla_prefill_ext._logging import log_once
-from mla_prefill_ext.hosts.core.shared_prefix import needs, switch
+from mla_prefill_ext.hosts.core.shared_prefix import needs
 from mla_prefill_ext.hosts.core.shared_prefix.prefix_hashes import common_blocks, keep_latest_of_each_kind
 
 MEMOS = 8
@@ -290,6 +290,6 @@ def find_longest_cache_hit(wrapped: Any, instance: Any, args: Any, kwargs: Any) 
     """``UnitaryKVCacheCoordinator.find_longest_cache_hit``: through the coordinator's hits, if any."""
     hits = getattr(instance, HITS_ATTR, None)
     # Only the call PrefixHits.find knows: (block_hashes, max_cache_hit_length), positionally.
-    if hits is None or kwargs or len(args) != 2 or switch.paused("hits"):
+    if hits is None or kwargs or len(args) != 2:
         return wrapped(*args, **kwargs)
     return hits.find(wrapped, *args)

@@ -12,7 +12,6 @@ builders learn each row's request).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from mla_prefill_ext._logging import log_once
@@ -147,47 +146,3 @@ def decide_and_say(vllm_config: Any) -> PathDecision:
         decision.reason,
     )
     return decision
-
-
-# --- pausing parts of the path in a running process (benchmarks: on and off in one engine lifetime) ---
-
-PARTS = ("plan", "route", "hashes", "hits", "gather")
-"""The path's parts, each of which :func:`pause` can stop: the step's shared-prefix plan (``plan``,
-:mod:`.step`), short extends routed to it (``route``, :mod:`.routing`), the engine core's reuse of block
-hashes (``hashes``, :mod:`.prefix_hashes`) and of prefix-cache hits (``hits``, :mod:`.prefix_hits`), and
-its gathering of a burst (``gather``, :mod:`.arrivals`)."""
-
-IMPLIED = {"plan": ("route",), "hashes": ("gather",)}
-"""Parts that pausing another pauses too: a routed step without its plan would up-project every short
-extend's whole context (neither the path on nor off), and the gathering waits only for requests the hash
-reuse saw sharing a prefix (its record)."""
-
-_paused: frozenset[str] = frozenset()
-
-
-def pause(parts: Iterable[str] = PARTS) -> list[str]:
-    """Stop ``parts`` of the path in this process from the next step or request on (with what they
-    imply, :data:`IMPLIED`), and resume the others; ``pause(())`` resumes all. Returns the parts paused now.
-
-    Engine lifetimes differ by more than a few percent at some points (docs/benchmarks.md, section 11),
-    so a benchmark compares the path on and off within one lifetime, call by call, through this (a
-    ``collective_rpc`` into the processes where the parts run: on one GPU the worker's, which holds the
-    engine core). A paused part runs vLLM's own code for that step or request, as the path off does;
-    every part is exact either way, and none keeps state that a pause makes wrong (a remembered
-    prefix-cache hit is checked block by block before it is lent; remembered hashes are a function of
-    the tokens).
-    """
-    global _paused
-    wanted = set(parts)
-    unknown = sorted(wanted - set(PARTS))
-    if unknown:
-        raise ValueError(f"unknown shared-prefix part(s) {unknown}: the parts are {', '.join(PARTS)}")
-    for part in list(wanted):
-        wanted.update(IMPLIED.get(part, ()))
-    _paused = frozenset(wanted)  # one assignment: a reader on another thread sees the old set or the new
-    return [p for p in PARTS if p in wanted]
-
-
-def paused(part: str) -> bool:
-    """Whether :func:`pause` stopped ``part`` in this process (one frozenset lookup: on every step)."""
-    return part in _paused
