@@ -70,6 +70,15 @@ def grid_case(dims: tuple[int, int, int], heads: int, new: list[int]) -> dict[st
     return {"dims": dims, "heads": heads, "new": list(new), "ctx": list(new)}
 
 
+def case_fields(case: dict[str, Any]) -> dict[str, Any]:
+    """A case as its rows name it: dims, heads and shape (``SEQSxNEW``)."""
+    return {
+        "dims": list(case["dims"]),
+        "heads": case["heads"],
+        "shape": f"{len(case['new'])}x{case['new'][0]}",
+    }
+
+
 def case_problem(case: dict[str, Any], device: str) -> tuple[Any, tuple, float, float]:
     """A case's inputs: the problem, its context chunk's (q, k, v), the new tokens' and the chunk's FLOPs."""
     from mla_prefill_ext.testing.problem import make_problem
@@ -80,12 +89,8 @@ def case_problem(case: dict[str, Any], device: str) -> tuple[Any, tuple, float, 
 
 
 def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[str, Any]:
-    """The same kernel as the backend, called directly with the same arguments.
-
-    "The same arguments" are those the backend prepared for this step, read from the
-    prepared instance itself (its kernel kwargs, its planned FlashInfer wrappers): the
-    comparison is the backend's call against its own kernel call, nothing else.
-    """
+    """The backend's kernel called directly with the arguments the prepared backend holds (its kernel
+    kwargs, its planned FlashInfer wrappers): the backend's call against its own kernel call."""
     import copy
     import functools
 
@@ -144,7 +149,6 @@ def measure_backend(
     name, cls, case, p, chunk, new_flops, ctx_flops, rounds, device, with_lse=False
 ) -> list[dict]:
     """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
-    dims, heads = case["dims"], case["heads"]
     rows = []
     backend, ours = backend_ops(cls, case, p, chunk)
     bare = bare_kernels(name, backend, p, chunk)
@@ -161,16 +165,8 @@ def measure_backend(
         for _ in range(rounds):  # interleave the sides round by round
             for k, fn in fns.items():
                 samples[k].append(timing.time_repetition(fn, sync=sync, calls=n))
-        row = {
-            "backend": name,
-            "op": op,
-            "dims": list(dims),
-            "heads": heads,
-            "seqs": len(case["new"]),
-            "tokens": sum(case["new"]),
-            "shape": f"{len(case['new'])}x{case['new'][0]}",
-            "launches_per_round": n,
-        }
+        row = {"backend": name, "op": op, **case_fields(case), "tokens": sum(case["new"])}
+        row.update(seqs=len(case["new"]), launches_per_round=n)
         for k, s in samples.items():
             t = statistics.median(s)
             row[f"{k}_ms"] = t * 1e3
@@ -194,8 +190,7 @@ def bench_kernels(
 
     rows = []
     for case in grid:
-        dims, heads = case["dims"], case["heads"]
-        config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
+        config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *case["dims"])
         p, chunk, new_flops, ctx_flops = case_problem(case, device)
         for name in names:
             cls = MLAPrefillBackendEnum[name].get_class()
@@ -206,15 +201,7 @@ def bench_kernels(
                     name, cls, case, p, chunk, new_flops, ctx_flops, rounds, device, with_lse
                 )
             except RuntimeError as e:  # a kernel that refuses this shape is a result too
-                rows.append(
-                    {
-                        "backend": name,
-                        "dims": list(dims),
-                        "heads": heads,
-                        "shape": f"{len(case['new'])}x{case['new'][0]}",
-                        "error": str(e),
-                    }
-                )
+                rows.append({"backend": name, **case_fields(case), "error": str(e)})
                 print(json.dumps(rows[-1]), flush=True)
         p = chunk = None  # free this shape's tensors before the next one
         if device == "cuda":
@@ -234,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="16,128", help="head counts, comma-separated")
     parser.add_argument("--with-lse", action="store_true", help="also time new_tokens_lse (see above)")
     parser.add_argument(
-        "--device",
-        choices=["auto", "cuda", "cpu"],
-        default="auto",
-        help="auto: the GPU if there is one; cpu: the smoke case, as on a machine without a GPU",
+        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: the GPU if any"
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .sides import markdown_table
+
 R1 = (128, 64, 128)  # (qk_nope, qk_rope, v) head dims of DeepSeek-V2/V3/R1
 NON_R1 = (64, 32, 64)
 
@@ -13,10 +15,8 @@ def _shape_key(row: dict[str, Any]) -> tuple[str, tuple[int, ...], int, str]:
 
 
 def fastest_per_shape(rows: list[dict[str, Any]], capability: Any) -> list[dict[str, Any]]:
-    """Per shape: the fastest backend measured, and what automatic selection picks on ``capability``.
-
-    ``capability``: vLLM's ``DeviceCapability`` of the GPU the selection is for, or None (no GPU).
-    """
+    """Per shape: the fastest backend measured, and what automatic selection picks on ``capability``
+    (vLLM's ``DeviceCapability``, None: no GPU)."""
     import torch
 
     from mla_prefill_ext.selector import (
@@ -30,11 +30,8 @@ def fastest_per_shape(rows: list[dict[str, Any]], capability: Any) -> list[dict[
     for op, dims, heads, shape in sorted({_shape_key(r) for r in rows}):
         cands = {r["backend"]: r["backend_ms"] for r in rows if _shape_key(r) == (op, dims, heads, shape)}
         config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *dims)
-        auto = next(
-            m.name
-            for m in mla_prefill_backend_priorities(capability)
-            if not check_backend(m, capability, config)[1]
-        )
+        order = mla_prefill_backend_priorities(capability)
+        auto = next(m.name for m in order if not check_backend(m, capability, config)[1])
         best = min(cands, key=cands.get)
         out.append(
             {
@@ -64,14 +61,9 @@ def plot(kernel_rows: list[dict[str, Any]], path: str, dpi: int = 120) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), sharey=True)
     for ax, (op, heads) in zip(axes, panels, strict=True):
         for name in ("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"):
+            want = (op, heads, name, 1, list(R1))
             rows = [
-                r
-                for r in kernel_rows
-                if r["op"] == op
-                and r["heads"] == heads
-                and r["backend"] == name
-                and r["seqs"] == 1
-                and r["dims"] == list(R1)
+                r for r in kernel_rows if (r["op"], r["heads"], r["backend"], r["seqs"], r["dims"]) == want
             ]
             if not rows:
                 continue
@@ -130,20 +122,14 @@ def kernel_markdown(kernel_rows: list[dict[str, Any]]) -> list[str]:
 
 def selection_markdown(selection: list[dict[str, Any]]) -> list[str]:
     """Per shape where automatic's choice was measured: the fastest backend, and automatic's time."""
-    lines = [
-        "| op | dims | heads | seqs x tokens | fastest | automatic (SM90) | auto time / fastest |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    columns = ("op", "dims", "heads", "seqs x tokens", "fastest", "automatic (SM90)", "auto time / fastest")
+    rows = [
+        [s["op"], ",".join(map(str, s["dims"])), str(s["heads"]), s["shape"], s["fastest"], s["automatic"], r]
+        for s in selection
+        if s["auto_vs_fastest"] is not None
+        for r in [f"{1 / s['auto_vs_fastest']:.2f}x"]
     ]
-    for sel in selection:
-        if sel["auto_vs_fastest"] is None:
-            continue
-        ratio = 1 / sel["auto_vs_fastest"]
-        lines.append(
-            f"| {sel['op']} | {','.join(map(str, sel['dims']))} | {sel['heads']} | {sel['shape']} "
-            f"| {sel['fastest']} | {sel['automatic']} | {ratio:.2f}x |"
-        )
-    lines.append("")
-    return lines
+    return [*markdown_table(columns, rows), ""]
 
 
 def markdown(kernel_rows: list[dict[str, Any]], selection: list[dict[str, Any]]) -> str:

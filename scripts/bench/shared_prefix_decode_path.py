@@ -56,30 +56,14 @@ def decode_metadata(case: dict, device: Any, num_splits: int, schedule: Callable
     max_seq_len = max(case["seq_lens"])
     scheduler_metadata = None
     if schedule is not None:
-        scheduler_metadata = schedule(
-            batch_size=seq_lens.shape[0],
-            max_seqlen_q=max_query_len,
-            max_seqlen_k=max_seq_len,
-            num_heads_q=d["num_heads"],
-            num_heads_kv=1,
-            headdim=d["qk_rope_head_dim"],
-            cache_seqlens=seq_lens,
-            qkv_dtype=case["cache"].dtype,
-            headdim_v=d["kv_lora_rank"],
-            page_size=BLOCK_SIZE,
-            cu_seqlens_q=query_start_loc,
-            causal=True,
-            num_splits=num_splits,
-        )
-    return dict(
-        block_table=case["decode_table"].to(device),
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        scheduler_metadata=scheduler_metadata,
-        max_num_splits=num_splits,
-    )
+        shape = dict(num_heads_q=d["num_heads"], num_heads_kv=1, headdim=d["qk_rope_head_dim"])
+        shape.update(headdim_v=d["kv_lora_rank"], page_size=BLOCK_SIZE, qkv_dtype=case["cache"].dtype)
+        step = dict(batch_size=seq_lens.shape[0], max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len)
+        step.update(cache_seqlens=seq_lens, cu_seqlens_q=query_start_loc, causal=True, num_splits=num_splits)
+        scheduler_metadata = schedule(**shape, **step)
+    meta = dict(block_table=case["decode_table"].to(device), seq_lens=seq_lens, max_seq_len=max_seq_len)
+    meta.update(query_start_loc=query_start_loc, max_query_len=max_query_len, max_num_splits=num_splits)
+    return {**meta, "scheduler_metadata": scheduler_metadata}
 
 
 def prepare_absorbed(
@@ -108,6 +92,13 @@ def prepare_absorbed(
     kv_c_cache, k_pe_cache = cache[..., :rank], cache[..., rank:]
     scale = (nope + rope) ** -0.5
     output = torch.empty(q.shape[0], heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
+    # FlashAttnMLAImpl.forward_mqa's arguments but the queries, the same for every call of the step.
+    m = meta
+    step = dict(k=k_pe_cache.unsqueeze(-2), v=kv_c_cache.unsqueeze(-2), block_table=m["block_table"])
+    step.update(cu_seqlens_q=m["query_start_loc"], seqused_k=m["seq_lens"], max_seqlen_k=m["max_seq_len"])
+    step.update(max_seqlen_q=max(m["max_query_len"], 1), softmax_scale=scale, causal=True, fa_version=3)
+    step.update(scheduler_metadata=m["scheduler_metadata"], num_splits=m["max_num_splits"])
+    step.update(return_softmax_lse=False, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None)
 
     def run() -> torch.Tensor:
         # MLAAttention.forward_impl, decode tokens (bf16 cache, no DCP)
@@ -116,28 +107,7 @@ def prepare_absorbed(
         ql_nope = q_nope.new_empty((heads, q.shape[0], rank))
         torch.bmm(q_nope, w_uk_t, out=ql_nope)
         ql_nope = ql_nope.transpose(0, 1)
-        # FlashAttnMLAImpl.forward_mqa
-        attn_out = attention(
-            q=q_pe,
-            k=k_pe_cache.unsqueeze(-2),
-            v=kv_c_cache.unsqueeze(-2),
-            q_v=ql_nope,
-            max_seqlen_q=max(meta["max_query_len"], 1),
-            cu_seqlens_q=meta["query_start_loc"],
-            max_seqlen_k=meta["max_seq_len"],
-            seqused_k=meta["seq_lens"],
-            block_table=meta["block_table"],
-            softmax_scale=scale,
-            causal=True,
-            return_softmax_lse=False,
-            fa_version=3,
-            scheduler_metadata=meta["scheduler_metadata"],
-            num_splits=meta["max_num_splits"],
-            cp_world_size=1,
-            cp_rank=0,
-            cp_tot_seqused_k=None,
-        )
-        v_up_proj(attn_out, w_uv, output)
+        v_up_proj(attention(q=q_pe, q_v=ql_nope, **step), w_uv, output)  # FlashAttnMLAImpl.forward_mqa
         return output
 
     return run

@@ -42,19 +42,10 @@ GPU_MEM = "0.3"
 EXAMPLE_SITE = Path("/tmp/mla-example-site")
 RAY_ENV = (("RAY_ADDRESS", ray_cluster.ADDRESS), ("RAY_DEDUP_LOGS", "0"))
 
-SINGLE_QUEUE = [
-    "stock-eager",
-    "stock-chunks",
-    "mutant-scale",
-    "mutant-lse2",
-    "shim-fa-chunks",
-    "shim-fa-eager",
-    "custom-spawn",
-    "example-auto",
-    "stock",
-    "shim-fa",
-    "invalid-explicit",
-]
+SINGLE_QUEUE = (
+    "stock-eager stock-chunks mutant-scale mutant-lse2 shim-fa-chunks shim-fa-eager custom-spawn "
+    "example-auto stock shim-fa invalid-explicit"
+).split()
 FLASHINFER_LANE = ["shim-fi-eager", "shim-fi-chunks", "shim-fi"]
 RAY_QUEUE = ["stock-ray", "custom-ray", "fi-ray"]
 TP2_QUEUE = ["stock-tp2", "custom-tp2", "shim-fi-tp2", "shim-fa-tp2"]
@@ -63,15 +54,10 @@ TP2_QUEUE = ["stock-tp2", "custom-tp2", "shim-fi-tp2", "shim-fa-tp2"]
 # against the multiprocessing prefill-path lifetimes, and their workers' own log lines say which
 # path they took.
 SHARED_RAY_QUEUE = ["stock-shared-ray", "shim-fa-shared-ray", "shim-fa-shared-off-ray"]
-SHARED_TP2_QUEUE = [
-    "stock-shared-tp2",
-    "shim-fa-shared-tp2",
-    "stock-shared-prefill-tp2",
-    "shim-fa-shared-off-tp2",
-    "stock-shared-prefill-tp2-2",
-    "mutant-shared-segment-scale-tp2",
-    "stock-shared-prefill-tp2-3",
-]
+SHARED_TP2_QUEUE = (
+    "stock-shared-tp2 shim-fa-shared-tp2 stock-shared-prefill-tp2 shim-fa-shared-off-tp2 "
+    "stock-shared-prefill-tp2-2 mutant-shared-segment-scale-tp2 stock-shared-prefill-tp2-3"
+).split()
 
 RAY = ("--executor", "ray", "--tp", "2", "--eager")
 EXTRA = {

@@ -1,23 +1,13 @@
 """Deliberately wrong MLA prefill backends: the GPU suite must see them fail.
 
-Each mutant is the add-on's FLASH_ATTN backend with one realistic mistake, registered
-as CUSTOM by class path (``engine_runner.py --custom-class mutant_backends.ScaleOffBackend``;
-this folder, ``scripts/gpu_harness/doubles``, is put on ``PYTHONPATH`` so vLLM's engine processes
-import it too; the CPU tests of the hosts register the SDPA mutants the same way):
-
-* :class:`ScaleOffBackend`: softmax scale 2% too large (a backend that recomputes the
-  scale instead of taking the layer's, e.g. dropping part of the YaRN mscale);
-* :class:`Base2LseBackend`: returns the softmax LSE in base 2 (``lse / ln 2``), as
-  FlashInfer's kernels do, so vLLM's ``merge_attn_states`` (natural log) mis-weights
-  every merge of context chunks and new tokens.
-* :class:`FlashInferWithoutWarmup`: the add-on's FLASHINFER with no warm-up declared, so
-  FlashInfer builds or loads its prefill kernels at the first request instead of at engine
-  start (``tests/gpu/test_first_request.py`` must see that).
-
-The mistakes live in mixins, so the CPU layer test (tests/hosts/vllm_0_20/test_layer.py) applies the
-very same mutations to the portable TORCH_SDPA backend (:class:`SdpaScaleOffBackend`,
-:class:`SdpaBase2LseBackend`). The run methods take and pass on extra arguments, so
-the mixins survive the base API growing (``out=``, a chunk object for ``chunk_idx``).
+Registered as CUSTOM by class path (``engine_runner.py --custom-class mutant_backends.ScaleOffBackend``;
+this folder is put on ``PYTHONPATH`` so vLLM's engine processes import it too). Each is a built-in
+with one realistic mistake, in a mixin so the CPU tests of the hosts apply it to TORCH_SDPA too:
+:class:`ScaleOffBackend`, softmax scale 2% too large (e.g. part of the YaRN mscale dropped);
+:class:`Base2LseBackend`, the LSE in base 2 as FlashInfer's kernels give it (vLLM's natural-log merge
+then mis-weights every context chunk); :class:`FlashInferWithoutWarmup`, FLASHINFER with no warm-up
+declared, so its kernels are built at the first request (tests/gpu/test_first_request.py). The run
+methods pass extra arguments on, so the mixins survive the base API growing.
 """
 
 from __future__ import annotations
@@ -58,33 +48,27 @@ class Base2LseMixin:
         return out, lse / LN2
 
 
+def _name(name: str) -> Any:
+    """A backend's ``get_name``: a static method answering ``name``."""
+    return staticmethod(lambda: name)
+
+
 class ScaleOffBackend(ScaleOffMixin, FlashAttnPrefillBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "MUTANT_SCALE_OFF"
+    get_name = _name("MUTANT_SCALE_OFF")
 
 
 class Base2LseBackend(Base2LseMixin, FlashAttnPrefillBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "MUTANT_BASE2_LSE"
+    get_name = _name("MUTANT_BASE2_LSE")
 
 
 class SdpaScaleOffBackend(ScaleOffMixin, TorchSDPAPrefillBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "MUTANT_SDPA_SCALE_OFF"
+    get_name = _name("MUTANT_SDPA_SCALE_OFF")
 
 
 class SdpaBase2LseBackend(Base2LseMixin, TorchSDPAPrefillBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "MUTANT_SDPA_BASE2_LSE"
+    get_name = _name("MUTANT_SDPA_BASE2_LSE")
 
 
 class FlashInferWithoutWarmup(FlashInferPrefillBackend):
     kernel_warmup = None  # the mistake: nothing built or loaded before the engine reports ready
-
-    @staticmethod
-    def get_name() -> str:
-        return "MUTANT_NO_WARMUP"
+    get_name = _name("MUTANT_NO_WARMUP")
