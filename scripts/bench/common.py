@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ def use_this_checkout() -> None:
     """
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+
+
+def stamp(message: str) -> None:
+    """One line of progress, with the time of day."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

@@ -196,7 +196,7 @@ def start_engine(
                 ok = ok and Path(report["package"]).parent == tree / "mla_prefill_ext"
         if not ok:
             raise SystemExit(f"side {name}: its engine reports {report}: not the side it claims to be")
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ready in {ready_s:.0f} s: {json.dumps(info)}", flush=True)
+    common.stamp(f"{name} ready in {ready_s:.0f} s: {json.dumps(info)}")
     return llm, info
 
 
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 engines[side].generate(batch_prompts, one, use_tqdm=False)
                 if rep:  # rep 0 warms every shape up
                     seconds[side].setdefault(f"{length}x{batch}", []).append(time.perf_counter() - t)
-        print(f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order})", flush=True)
+        common.stamp(f"repetition {rep}/{args.reps} done (order {order})")
 
     record = common.record(
         args={**vars(args), "model": str(args.model), "trees": {k: str(v) for k, v in args.trees.items()}},

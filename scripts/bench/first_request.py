@@ -83,11 +83,7 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
         requests=len(latencies),
         cached_prompt_tokens=sum(r["num_cached_tokens"] or 0 for r in raw["requests"]),
         modules_loaded_in_wave=sorted(
-            {
-                m
-                for a, b in zip(before, after, strict=True)
-                for m in set(b["flashinfer_modules"]) - set(a["flashinfer_modules"])
-            }
+            set().union(*(loaded_between(a, b) for a, b in zip(before, after, strict=True)))
         ),
         modules_built=sorted(set(raw["cache_after"]) - set(raw["cache_before"])),
         flashinfer_cache=raw["flashinfer_cache_state"],
@@ -95,39 +91,28 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def loaded_between(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    """The FlashInfer modules a worker mapped between two of its reports."""
+    return set(after["flashinfer_modules"]) - set(before["flashinfer_modules"])
+
+
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every side's figures, with its p99 and start-up next to stock's where stock ran."""
     return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s"], ["up_after_s"])
 
 
-COLUMNS = (
-    "side",
-    "FlashInfer cache",
-    "up after",
-    "of it, prefill warm-up",
-    "first wave p50",
-    "p99",
-    "max",
-    "p99 / stock",
-    "FlashInfer modules loaded during the wave",
-)
+COLUMNS = ["side", "FlashInfer cache", "up after", "of it, prefill warm-up", "first wave p50", "p99", "max"]
+COLUMNS += ["p99 / stock", "FlashInfer modules loaded during the wave"]
+LATENCIES = ("p50_s", "p99_s", "max_s")
 
 
 def cells(r: dict[str, Any]) -> list[str]:
     """One side's row of the table."""
     if not r["ok"]:
         return failed_cells(r)
-    return [
-        r["side"],
-        r["flashinfer_cache"],
-        f"{r['up_after_s']:.0f} s",
-        f"{r['warmup_s']:.1f} s",
-        f"{r['p50_s']:.2f} s",
-        f"{r['p99_s']:.2f} s",
-        f"{r['max_s']:.2f} s",
-        f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-",
-        ", ".join(r["modules_loaded_in_wave"]) or "none",
-    ]
+    times = [f"{r['up_after_s']:.0f} s", f"{r['warmup_s']:.1f} s", *(f"{r[k]:.2f} s" for k in LATENCIES)]
+    ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
+    return [r["side"], r["flashinfer_cache"], *times, ratio, ", ".join(r["modules_loaded_in_wave"]) or "none"]
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -168,14 +153,10 @@ def worker_report(worker: Any) -> dict[str, Any]:
             info = getattr(getattr(prefill, name), "cache_info", None)
             if name.startswith("get_") and name.endswith("_module") and callable(info):
                 misses[name] = info().misses
-    return {
-        "pid": _os.getpid(),
-        "owners": sorted(owners),
-        "warmups": warmups,
-        "context_chunk_wrappers": chunk_plans,
-        "flashinfer_modules": modules,
-        "flashinfer_getter_misses": misses,
-    }
+    report = dict(
+        pid=_os.getpid(), owners=sorted(owners), warmups=warmups, context_chunk_wrappers=chunk_plans
+    )
+    return {**report, "flashinfer_modules": modules, "flashinfer_getter_misses": misses}
 
 
 # --- one side: the child process -----------------------------------------------------------
@@ -192,41 +173,30 @@ async def run_side(args: argparse.Namespace) -> dict[str, Any]:
         wave = Wave(**{**asdict(wave), "requests": args.requests})
     prompts = make_wave(wave)
     record: dict[str, Any] = {"engine_started_wall": time.time()}
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(MODEL_DIR),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            max_model_len=16384,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=True,
-            enforce_eager=args.eager,
-            gpu_memory_utilization=args.gpu_mem,
-            seed=0,
-            # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose JIT
-            # build would take minutes on every side with a cold cache (not the MLA prefill path).
-            moe_backend="triton",
-            disable_log_stats=True,
-        )
+    engine_args = dict(model=str(MODEL_DIR), load_format="dummy", skip_tokenizer_init=True, seed=0)
+    engine_args.update(max_model_len=16384, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine_args.update(
+        enable_prefix_caching=True, enforce_eager=args.eager, gpu_memory_utilization=args.gpu_mem
     )
+    # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose JIT build would
+    # take minutes on every side with a cold cache (not the MLA prefill path).
+    engine_args.update(moe_backend="triton", disable_log_stats=True)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
     try:
         record["ready_wall"] = time.time()
         record["workers_ready"] = await engine.collective_rpc(worker_report)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
 
         async def one(i: int, prompt: list[int]) -> dict[str, Any]:
-            start = time.perf_counter()
-            first = None
-            final = None
+            start, first, final = time.perf_counter(), None, None
             async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"wave-{i}"):
                 if first is None:
                     first = time.perf_counter() - start
                 final = out
             assert final is not None and final.finished
+            done = dict(prompt_len=len(prompt), first_token_s=first, done_s=time.perf_counter() - start)
             return {
-                "prompt_len": len(prompt),
-                "first_token_s": first,
-                "done_s": time.perf_counter() - start,
+                **done,
                 "output_tokens": len(final.outputs[0].token_ids),
                 "num_cached_tokens": final.num_cached_tokens,
             }
@@ -297,15 +267,13 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         if skipped is not None:
             raw.update(ok=False, returncode=None, error=skipped)
             results.append(raw)
-            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {raw['error']}", flush=True)
+            common.stamp(f"{side.label}: {raw['error']}")
             continue
-        print(f"[{time.strftime('%H:%M:%S')}] {side.label}: starting (FlashInfer cache {state})", flush=True)
-        launched = time.time()
-        raw["returncode"] = run_child([*command, "--launched-at", repr(launched)], env, log, limit)
+        common.stamp(f"{side.label}: starting (FlashInfer cache {state})")
+        raw["returncode"] = run_child([*command, "--launched-at", repr(time.time())], env, log, limit)
         if raw["returncode"] is None:
             raw["error"] = f"no result within {limit:.0f} s"
-        raw["cache_after"] = modules_in_cache(flashinfer)
-        raw["log"] = str(log)
+        raw.update(cache_after=modules_in_cache(flashinfer), log=str(log))
         if out.exists():
             raw.update(json.loads(out.read_text()))
             raw["ok"] = raw["returncode"] == 0
@@ -318,11 +286,7 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         results.append(raw)
         if args.json:  # raw, before any arithmetic: what ran so far survives a later failure
             Path(args.json).write_text(json.dumps({**header(args, sides), "sides": results}, indent=1))
-        print(
-            f"[{time.strftime('%H:%M:%S')}] {side.label}: {'done' if raw['ok'] else 'FAILED'}"
-            + (f" ({raw.get('error')})" if not raw["ok"] else ""),
-            flush=True,
-        )
+        common.stamp(f"{side.label}: " + ("done" if raw["ok"] else f"FAILED ({raw.get('error')})"))
     return results
 
 

@@ -79,13 +79,7 @@ def serve_command(args: Any, port: int) -> list[str]:
 
 def request_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One completion: token ids in, greedy, exactly ``max_tokens`` out."""
-    return {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    return dict(model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
@@ -124,38 +118,20 @@ def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s", "first_wave_p99_s"])
 
 
-COLUMNS = (
-    "side",
-    "FlashInfer cache",
-    "up after",
-    "errors",
-    "prompt tokens/s",
-    "latency p50",
-    "p99",
-    "max",
-    "first wave p99",
-    "p99 / stock",
-    "FlashInfer modules built after ready",
-)
+COLUMNS = ["side", "FlashInfer cache", "up after", "errors", "prompt tokens/s", "latency p50", "p99", "max"]
+COLUMNS += ["first wave p99", "p99 / stock", "FlashInfer modules built after ready"]
 
 
 def cells(r: dict[str, Any]) -> list[str]:
     """One side's row of the table."""
     if "p99_s" not in r:
         return failed_cells(r)
-    return [
-        r["side"],
-        r["flashinfer_cache"],
-        f"{r['up_after_s']:.0f} s",
-        f"{r['errors']} of {r['requests']}",
-        f"{r['prompt_tokens_per_s']:,.0f}",
-        f"{r['p50_s']:.2f} s",
-        f"{r['p99_s']:.2f} s",
-        f"{r['max_s']:.2f} s",
-        f"{r['first_wave_p99_s']:.2f} s",
-        f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-",
-        ", ".join(r["modules_built_after_ready"]) or "none",
-    ]
+    up, errors = f"{r['up_after_s']:.0f} s", f"{r['errors']} of {r['requests']}"
+    rate = f"{r['prompt_tokens_per_s']:,.0f}"
+    times = [f"{r[k]:.2f} s" for k in ("p50_s", "p99_s", "max_s", "first_wave_p99_s")]
+    ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
+    modules = ", ".join(r["modules_built_after_ready"]) or "none"
+    return [r["side"], r["flashinfer_cache"], up, errors, rate, *times, ratio, modules]
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -315,13 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     try:
         for n, side in enumerate(sides):
-            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: starting", flush=True)
+            common.stamp(f"{side.label}: starting")
             raw = run_side(args, side, n, cache_root, prompts)
             results.append(raw)
             out = common.record(sides=results)
             common.write_json(args.json, out)  # raw, before any arithmetic
             state = "done" if raw.get("ok") else f"FAILED ({raw.get('error')})"
-            print(f"[{time.strftime('%H:%M:%S')}] {side.label}: {state}", flush=True)
+            common.stamp(f"{side.label}: {state}")
     finally:
         if temporary:
             shutil.rmtree(cache_root, ignore_errors=True)
