@@ -28,7 +28,7 @@ from typing import Any
 
 from . import common
 from .common import ROOT
-from .sides import SIDE_ENV
+from .sides import SIDE_ENV, markdown_table
 
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
@@ -37,11 +37,7 @@ GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"  # its engine core's gatherin
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
-    points = []
-    for item in text.split(","):
-        length, batch = item.lower().split("x")
-        points.append((int(length), int(batch)))
-    return points
+    return [(int(length), int(batch)) for length, batch in (p.lower().split("x") for p in text.split(","))]
 
 
 def side_env(side: str) -> dict[str, str]:
@@ -49,12 +45,8 @@ def side_env(side: str) -> dict[str, str]:
 
 
 def prefill_owners(worker: Any) -> dict[str, Any]:
-    """Runs in each worker (collective_rpc): what owns prefill in this engine.
-
-    vLLM 0.20 layers own no prefill backend (stock: none; the patch adds one); from
-    0.21 every MLA layer owns one, vLLM's own class or, through the bridge, the
-    add-on's adapter (its module is the add-on's). ``addon`` says which.
-    """
+    """Runs in each worker (collective_rpc): what owns prefill in this engine (vLLM 0.20's layers own
+    none but the patch's; from 0.21 each owns vLLM's own or, bridged, the add-on's adapter)."""
     import sys as _sys
 
     owners, addon = set(), set()
@@ -63,33 +55,21 @@ def prefill_owners(worker: Any) -> dict[str, Any]:
             backend = module.prefill_backend
             owners.add(backend.get_name() if backend is not None else "vLLM's own")
             addon.add(backend is not None and type(backend).__module__.startswith("mla_prefill_ext"))
-    # The host's instrumentor: the MLA patch set (vLLM 0.20; patches.instrumentor in trees
-    # before the patch-set base class) or the bridge (vLLM 0.23+).
-    hosts = [
-        getattr(_sys.modules.get(name), "is_instrumented", None)
-        for name in (
-            "mla_prefill_ext.hosts.vllm_0_20.mla",
-            "mla_prefill_ext.hosts.core.instrumentor",
-            "mla_prefill_ext.hosts.vllm_0_23.bridge",
-        )
-    ]
+    # The host's instrumentor: the patch (0.20; hosts.core.instrumentor in older trees) or the bridge.
+    hosts = [f"mla_prefill_ext.hosts.{m}" for m in ("vllm_0_20.mla", "core.instrumentor", "vllm_0_23.bridge")]
+    hosts = [getattr(_sys.modules.get(name), "is_instrumented", None) for name in hosts]
     package = _sys.modules.get("mla_prefill_ext")
     path = _sys.modules.get("mla_prefill_ext.hosts.core.shared_prefix.instrumentor")
     hashes = _sys.modules.get("mla_prefill_ext.hosts.core.shared_prefix.engine_core")
-    return {
-        "owners": sorted(owners),
-        "addon_owned": sorted(addon),
-        "patched": any(h is not None and h() for h in hosts),
-        "pid": os.getpid(),
-        "package": getattr(package, "__file__", None),
-        # The shared-prefix path's switch as this worker sees it (None: unset, the default).
-        "shared_prefix_env": os.environ.get(SHARED_PREFIX_ENV),
-        "gather_env": os.environ.get(GATHER_ENV),
-        # The path's state and its counters (steps with shared segments, steps routed) so far.
-        "shared_prefix": path.INSTRUMENTOR.report() if path is not None else None,
-        # The engine core's block-hash reuse, where the engine core shares this worker's process (one GPU).
-        "prefix_hashes": hashes.INSTRUMENTOR.report() if hashes is not None else None,
-    }
+    report = dict(owners=sorted(owners), addon_owned=sorted(addon), pid=os.getpid())
+    report["patched"] = any(h is not None and h() for h in hosts)
+    report["package"] = getattr(package, "__file__", None)
+    # The path's switches as this worker sees them (None: unset), its state and counters so far, and the
+    # engine core's block-hash reuse where the engine core shares this worker's process (one GPU).
+    report.update(shared_prefix_env=os.environ.get(SHARED_PREFIX_ENV), gather_env=os.environ.get(GATHER_ENV))
+    report["shared_prefix"] = path.INSTRUMENTOR.report() if path is not None else None
+    report["prefix_hashes"] = hashes.INSTRUMENTOR.report() if hashes is not None else None
+    return report
 
 
 def pause_shared_prefix(worker: Any, parts: list[str]) -> list[str]:
@@ -118,28 +98,16 @@ def memory_peak(worker: Any) -> dict[str, int]:
     flat = caches if isinstance(caches, list) else list(caches.values())
     kv_bytes = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
     _, total = torch.cuda.mem_get_info()
-    return {
-        "peak_allocated": torch.cuda.max_memory_allocated(),
-        "reserved": torch.cuda.memory_reserved(),
-        "kv_cache": kv_bytes,
-        "device_total": total,
-    }
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
+    return {"peak_allocated": peak, "reserved": reserved, "kv_cache": kv_bytes, "device_total": total}
 
 
 def engine_kwargs(args: argparse.Namespace, **llm_options: Any) -> dict[str, Any]:
     """``LLM``'s arguments for one side (the same for every side; ``llm_options`` add to them)."""
-    return {
-        "model": str(args.model),
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "gpu_memory_utilization": args.gpu_mem,
-        "seed": 0,
-        "enforce_eager": args.eager,
-        "moe_backend": "triton",
-        **llm_options,
-    }
+    kwargs = dict(model=str(args.model), load_format="dummy", skip_tokenizer_init=True, seed=0)
+    kwargs.update(max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    kwargs.update(gpu_memory_utilization=args.gpu_mem, enforce_eager=args.eager, moe_backend="triton")
+    return {**kwargs, **llm_options}
 
 
 def start_engine(
@@ -224,11 +192,8 @@ def tabulate(
     sides: list[str],
     pairs: list[tuple[str, str]],
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
-    """Tokens/s per side and point, and the A/B ratios: of the medians, and paired.
-
-    ``seconds[side][point]`` lists the timed repetitions in order; repetition i of every
-    side ran the same prompts, back to back, so ``b_i / a_i`` is a paired ratio.
-    """
+    """Tokens/s per side and point, and the A/B ratios: of the medians, and paired (repetition i of
+    every side, ``seconds[side][point][i]``, ran the same prompts back to back)."""
     table = []
     for length, batch in grid:
         point = f"{length}x{batch}"
@@ -246,31 +211,22 @@ def tabulate(
     for a, b in pairs:
         values = [row[f"{a}/{b}"] for row in table if f"{a}/{b}" in row]
         if values:
-            summary[f"{a}/{b}"] = {
-                "median_of_points": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-            }
+            summary[f"{a}/{b}"] = {"median_of_points": statistics.median(values), "min": min(values)}
+            summary[f"{a}/{b}"]["max"] = max(values)
     return table, summary
 
 
 def markdown(table: list[dict[str, Any]], sides: list[str]) -> list[str]:
-    lines = [
-        "| point | "
-        + " | ".join(f"{s} tok/s (min-max)" for s in sides)
-        + " | A/B: ratio of medians; paired |",
-        "| --- " * (len(sides) + 2) + "|",
-    ]
-    for row in table:
-        cells = [
-            f"{row[s]['median'] / 1e3:.0f}k ({row[s]['min'] / 1e3:.0f}-{row[s]['max'] / 1e3:.0f}k)"
-            for s in sides
-        ]
-        ratios = [
-            f"{k} {row[k]:.3f}; {row[k + ' paired']:.3f}" for k in row if "/" in k and "paired" not in k
-        ]
-        lines.append(f"| {row['point']} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
-    return lines
+    def tps(cell: dict[str, Any]) -> str:
+        return f"{cell['median'] / 1e3:.0f}k ({cell['min'] / 1e3:.0f}-{cell['max'] / 1e3:.0f}k)"
+
+    def ratios(row: dict[str, Any]) -> str:
+        keys = [k for k in row if "/" in k and "paired" not in k]
+        return ", ".join(f"{k} {row[k]:.3f}; {row[k + ' paired']:.3f}" for k in keys)
+
+    columns = ["point", *(f"{s} tok/s (min-max)" for s in sides), "A/B: ratio of medians; paired"]
+    rows = ([row["point"], *(tps(row[s]) for s in sides), ratios(row)] for row in table)
+    return markdown_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -327,24 +327,14 @@ def shared_context_evidence(evidence: Path) -> dict:
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
-    kwargs: dict = dict(
-        skip_tokenizer_init=True,
-        tensor_parallel_size=args.tp,
-        enforce_eager=args.eager,
-        max_model_len=16384,
-        max_num_batched_tokens=(
-            SHARED_MAX_NUM_BATCHED_TOKENS if args.prompts == "shared" else MAX_NUM_BATCHED_TOKENS
-        ),
-        enable_prefix_caching=True,  # V1's default, stated: the prompt sets rely on it
-        gpu_memory_utilization=args.gpu_mem,
-        distributed_executor_backend=args.executor,
-        seed=0,
-        # Triton MoE: vLLM's automatic choice on Hopper is FlashInfer's CUTLASS MoE, whose
-        # JIT build takes many minutes on a host without FlashInfer's prebuilt kernels.
-        moe_backend="triton",
-        # Likewise FlashInfer's all-reduce fusion (TP > 1): minutes of JIT build per host.
-        compilation_config={"pass_config": {"fuse_allreduce_rms": False}},
-    )
+    budget = SHARED_MAX_NUM_BATCHED_TOKENS if args.prompts == "shared" else MAX_NUM_BATCHED_TOKENS
+    kwargs: dict = dict(skip_tokenizer_init=True, tensor_parallel_size=args.tp, enforce_eager=args.eager)
+    kwargs.update(max_model_len=16384, max_num_batched_tokens=budget, gpu_memory_utilization=args.gpu_mem)
+    # Prefix caching is V1's default, stated: the prompt sets rely on it.
+    kwargs.update(enable_prefix_caching=True, distributed_executor_backend=args.executor, seed=0)
+    # Triton MoE and no all-reduce fusion: vLLM's automatic choices on Hopper (FlashInfer's CUTLASS MoE,
+    # its all-reduce fusion at TP > 1) take minutes of JIT build on a host without FlashInfer's kernels.
+    kwargs.update(moe_backend="triton", compilation_config={"pass_config": {"fuse_allreduce_rms": False}})
     if args.weights == "dummy":
         kwargs.update(model=str(MODEL_DIR), load_format="dummy")
     else:
@@ -473,34 +463,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", type=Path, help="the sharp checkpoint (default: generated to a cache)")
     parser.add_argument("--prompts", choices=["parity", "chunks", "shared"], default="parity")
     parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
-    parser.add_argument(
-        "--decode-threshold",
-        type=int,
-        help="test-only: the MLA builders' reorder_batch_threshold (1: short extends on vLLM's prefill path)",
-    )
+    parser.add_argument("--decode-threshold", type=int, help="test-only: the MLA builders' reorder threshold")
     shared = parser.add_mutually_exclusive_group()
-    shared.add_argument(
-        "--shared-evidence", action="store_true", help="test-only: record the shared-prefix path's plans"
-    )
-    shared.add_argument(
-        "--shared-mutant", choices=SHARED_MUTANTS, help="test-only: a deliberately wrong shared-prefix path"
-    )
+    shared.add_argument("--shared-evidence", action="store_true", help="test-only: record the path's plans")
+    shared.add_argument("--shared-mutant", choices=SHARED_MUTANTS, help="test-only: a wrong path")
     parser.add_argument("--bench", action="store_true")
-    parser.add_argument(
-        "--executor",
-        choices=["mp", "ray"],
-        default=None,
-        help="distributed_executor_backend (default: vLLM's)",
-    )
+    parser.add_argument("--executor", choices=["mp", "ray"], help="distributed_executor_backend")
     parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
-    parser.add_argument(
-        "--flash-attn-version", type=int, choices=[2, 3], help="attention_config.flash_attn_version (stock)"
-    )
-    parser.add_argument(
-        "--example",
-        action="store_true",
-        help="count the calls of the installed example backend package (MLA_PREFILL_EXAMPLE_COUNT_FILE)",
-    )
+    parser.add_argument("--flash-attn-version", type=int, choices=[2, 3], help="vLLM's own, on stock")
+    parser.add_argument("--example", action="store_true", help="count the installed example package's calls")
     return parser
 
 
