@@ -28,9 +28,8 @@ def block_table(requests: int, prefix: int, private: int) -> Any:
     for r in range(requests):
         table[r, :prefix_blocks] = torch.arange(prefix_blocks, dtype=torch.int32)
         first = prefix_blocks + r * private_blocks
-        table[r, prefix_blocks : prefix_blocks + private_blocks] = torch.arange(
-            first, first + private_blocks, dtype=torch.int32
-        )
+        own = torch.arange(first, first + private_blocks, dtype=torch.int32)
+        table[r, prefix_blocks : prefix_blocks + private_blocks] = own
     return table
 
 
@@ -66,23 +65,14 @@ def make_case(requests: int, prefix: int, private: int, new: int, device: Any, s
     cache = torch.randn(blocks, BLOCK_SIZE, latent, generator=gen)
     q_dim = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     q = torch.randn(requests * new, d["num_heads"], q_dim, generator=gen).to(device, torch.bfloat16)
-    w = torch.randn(
-        d["num_heads"] * (d["qk_nope_head_dim"] + d["v_head_dim"]), d["kv_lora_rank"], generator=gen
-    )
-    w = (w / d["kv_lora_rank"] ** 0.5).to(device, torch.bfloat16)
+    heads_dim = d["num_heads"] * (d["qk_nope_head_dim"] + d["v_head_dim"])
+    w = torch.randn(heads_dim, d["kv_lora_rank"], generator=gen) / d["kv_lora_rank"] ** 0.5
+    w = w.to(device, torch.bfloat16)
     # The new tokens' latents, in blocks after the context's: the decode path reads them from the
     # cache (vLLM writes them there before attention); the prefill plans never touch them.
     decode = decode_table(table, context_lens, new, first_free=blocks)
     extra = int(decode.max()) + 1 - blocks
     cache = torch.cat([cache, torch.randn(max(extra, 0), BLOCK_SIZE, latent, generator=gen)])
     loc = torch.arange(0, requests * new + 1, new, dtype=torch.int32)
-    return dict(
-        table=table,
-        context_lens=context_lens,
-        loc=loc,
-        cache=cache.to(device, torch.bfloat16),
-        q=q,
-        w=w,
-        decode_table=decode,
-        seq_lens=[c + new for c in context_lens],
-    )
+    case = dict(table=table, context_lens=context_lens, loc=loc, q=q, w=w, decode_table=decode)
+    return {**case, "cache": cache.to(device, torch.bfloat16), "seq_lens": [c + new for c in context_lens]}

@@ -40,14 +40,9 @@ def predicted_cost(table: Any, context_lens: Sequence[int], new: int) -> dict[st
         tokens.append(t)
     absorbed, prefill = routing.route_cost(q, ctx, shared, tokens)
     short = 1 < new <= SHORT_EXTEND_MAX and ctx.shape[0] >= 2 and bool((ctx > 0).all())
-    return dict(
-        absorbed_us=absorbed,
-        prefill_us=prefill,
-        predicted_ratio=absorbed / prefill,
-        groups=len(groups),
-        short_extends=short,
-        router_moves=short and bool(groups) and prefill < routing.ROUTE_BELOW * absorbed,
-    )
+    moves = short and bool(groups) and prefill < routing.ROUTE_BELOW * absorbed
+    prediction = dict(absorbed_us=absorbed, prefill_us=prefill, predicted_ratio=absorbed / prefill)
+    return {**prediction, "groups": len(groups), "short_extends": short, "router_moves": moves}
 
 
 def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, Any]:
@@ -63,25 +58,17 @@ def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, A
     gain = 1 / route_below
     for row in rows:
         times = {s: row[f"{s}_ms"] for s in SIDES if f"{s}_ms" in row}
-        point = dict(
-            new=row["new"],
-            fastest=min(times, key=times.get) if times else None,
-            measured_ratio=row.get("absorbed_over_shared"),
-            predicted_ratio=row["predicted_ratio"],
-            router_moves=row["router_moves"],
-        )
+        point = dict(new=row["new"], fastest=min(times, key=times.get) if times else None)
+        point.update(measured_ratio=row.get("absorbed_over_shared"), predicted_ratio=row["predicted_ratio"])
+        point["router_moves"] = row["router_moves"]
         measured = point["measured_ratio"]
         if measured is not None:
             point["measured_over_predicted"] = measured / row["predicted_ratio"]
             if row["short_extends"] and row["groups"]:
                 point["router_right"] = row["router_moves"] == (measured > gain)
         points.append(point)
-    return dict(
-        points=points,
-        route_below=route_below,
-        gain_needed=gain,
-        consistent=all(p.get("router_right", True) for p in points),
-    )
+    consistent = all(p.get("router_right", True) for p in points)
+    return dict(points=points, route_below=route_below, gain_needed=gain, consistent=consistent)
 
 
 def crossover_lines(summary: dict[str, Any]) -> list[str]:

@@ -76,13 +76,9 @@ def prepare(case: dict, cls: type, shared: bool, device: Any) -> tuple[Any, Any]
     )
     plan = host_plan.to(device)  # one copy, as the step makes it; the views below are of it
     loc = case["loc"]
-    metadata = MLACommonPrefillMetadata(
-        block_table=case["table"].to(device),
-        query_start_loc=loc.to(device),
-        max_query_len=int((loc[1:] - loc[:-1]).max()),
-        q_data_type=torch.bfloat16,
-        output_dtype=torch.bfloat16,
-    )
+    steps = dict(block_table=case["table"].to(device), query_start_loc=loc.to(device))
+    dtypes = dict(q_data_type=torch.bfloat16, output_dtype=torch.bfloat16)
+    metadata = MLACommonPrefillMetadata(**steps, **dtypes, max_query_len=int((loc[1:] - loc[:-1]).max()))
     metadata.query_start_loc_cpu = loc
     backend = cls(vllm_config=None, scale=(d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5, **d)
     segments = SegmentInstance(backend, device)
@@ -169,19 +165,10 @@ def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> di
     return out
 
 
-def point_row(
-    new: int,
-    times: dict[str, float],
-    plan_ms: float | None,
-    diffs: dict[str, float],
-    prediction: dict[str, Any],
-) -> dict[str, Any]:
+def point_row(new: int, times: dict, plan_ms: float | None, diffs: dict, prediction: dict) -> dict[str, Any]:
     """One point's record: the fields of earlier runs first (``new``, ``vllm_ms``, ``shared_ms``,
     ``ratio``, ``plan_ms``, the two plans' differences), then the absorbed side and the prediction."""
-    row: dict[str, Any] = dict(new=new)
-    for side in ("vllm", "shared"):
-        if side in times:
-            row[f"{side}_ms"] = times[side]
+    row: dict[str, Any] = dict(new=new, **{f"{s}_ms": times[s] for s in ("vllm", "shared") if s in times})
     if "vllm" in times and "shared" in times:
         row["ratio"] = times["vllm"] / times["shared"]
     if plan_ms is not None:
@@ -202,16 +189,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--private", type=int, default=0)
-    parser.add_argument(
-        "--private-only", action="store_true", help="no shared prefix: each request only its own --private"
-    )
+    parser.add_argument("--private-only", action="store_true", help="no shared prefix: only --private each")
     parser.add_argument("--new", default="32,128,512,1024")
-    parser.add_argument(
-        "--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed (default: all three)"
-    )
-    parser.add_argument(
-        "--num-splits", type=int, default=0, help="the absorbed call's num_splits (vLLM's max_num_splits)"
-    )
+    parser.add_argument("--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed")
+    parser.add_argument("--num-splits", type=int, default=0, help="the absorbed call's max_num_splits")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the results here")
     return parser
@@ -267,31 +248,24 @@ def main(argv: list[str] | None = None) -> int:
         diffs = {}
         if "vllm" in outs and "shared" in outs:
             (o_v, l_v), (o_s, l_s) = outs["vllm"], outs["shared"]
-            diffs = dict(
-                max_out_diff=(o_v.float() - o_s.float()).abs().max().item(),
-                max_lse_diff=(l_v - l_s).abs().max().item(),
-            )
+            diffs["max_out_diff"] = (o_v.float() - o_s.float()).abs().max().item()
+            diffs["max_lse_diff"] = (l_v - l_s).abs().max().item()
         row = point_row(new, times, plan_ms, diffs, predicted_cost(case["table"], case["context_lens"], new))
         rows.append(row)
         cells = [str(new), *(f"{times[s]:.3f}" for s in sides)]
         if diffs:
             cells += [f"{row['ratio']:.2f}x", f"{plan_ms:.2f}", f"{diffs['max_out_diff']:.4f}"]
             cells += [f"{diffs['max_lse_diff']:.4f}"]
-        cells += [
-            f"{row[f'absorbed_over_{s}']:.2f}x" for s in ("shared", "vllm") if f"absorbed_over_{s}" in row
-        ]
+        cells += [f"{row[k]:.2f}x" for k in ("absorbed_over_shared", "absorbed_over_vllm") if k in row]
         print(" ".join(f"{c:>12}" for c in cells), flush=True)
         del case, outs
         torch.cuda.empty_cache()
     summary = crossover(rows, ROUTE_BELOW)
     print("\n".join(crossover_lines(summary)), flush=True)
-    config = dict(
-        vars(args), sides=list(sides), block_size=BLOCK_SIZE, workspace_rows=WORKSPACE_ROWS, dims=R1_TP8
-    )
-    common.write_json(
-        args.json,
-        common.record(shared_prefix_layer=rows, accuracy=accuracy, crossover=summary, config=config),
-    )
+    config = dict(vars(args), sides=list(sides), block_size=BLOCK_SIZE, workspace_rows=WORKSPACE_ROWS)
+    config["dims"] = R1_TP8
+    out = common.record(shared_prefix_layer=rows, accuracy=accuracy, crossover=summary, config=config)
+    common.write_json(args.json, out)
     return 0
 
 

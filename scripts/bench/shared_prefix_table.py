@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .shared_prefix_workload import Point
+from .sides import markdown_table
 
 Raw = dict[str, dict[str, list[Any]]]  # side -> point key -> one value per timed repetition
 
@@ -40,24 +41,12 @@ def tabulate(
     for point in points:
         if not seconds[sides[0]].get(point.key):
             continue  # not reached (the run stopped first)
-        row: dict[str, Any] = {
-            "key": point.key,
-            "scenario": point.scenario,
-            "prefix_len": point.prefix_len,
-            "batch": point.batch,
-            "new_tokens": point.new_tokens,
-            "max_tokens": point.max_tokens,
-            "reps": len(seconds[sides[0]][point.key]),
-            "sides": {},
-            "ratios": {},
-        }
+        row: dict[str, Any] = dict(key=point.key, scenario=point.scenario, prefix_len=point.prefix_len)
+        row.update(batch=point.batch, new_tokens=point.new_tokens, max_tokens=point.max_tokens)
+        row.update(reps=len(seconds[sides[0]][point.key]), sides={}, ratios={})
         for side in sides:
             times = seconds[side][point.key]
-            cell: dict[str, Any] = {
-                "median_s": statistics.median(times),
-                "min_s": min(times),
-                "max_s": max(times),
-            }
+            cell: dict[str, Any] = dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times))
             if point.max_tokens > 1:
                 rates = [n / t for n, t in zip(out_tokens[side][point.key], times, strict=True)]
                 cell["output_tokens_per_s"] = statistics.median(rates)
@@ -78,8 +67,7 @@ def _seconds_cell(cell: dict[str, Any]) -> str:
     return text
 
 
-def _markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return ["| " + " | ".join(line) + " |" for line in (columns, ["---"] * len(columns), *rows)]
+_markdown = markdown_table
 
 
 def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: str | None) -> list[str]:
