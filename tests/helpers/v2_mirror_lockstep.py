@@ -23,7 +23,7 @@ def main(seed: int, steps: int = 12) -> None:
 
     mla_prefill_ext.activate()
     importlib.import_module(MLA_MODULE)  # the path wraps vLLM's runner tables from here on
-    from vllm_runner_objects import v2_on_cpu, v2_tables
+    from vllm_runner_objects import v2_on_cpu, v2_tables, v2_write_one
 
     from mla_prefill_ext.hosts.core.shared_prefix import block_tables
     from mla_prefill_ext.testing import vllm_host as host
@@ -34,12 +34,7 @@ def main(seed: int, steps: int = 12) -> None:
         live: dict[int, int] = {}
         for step in range(steps):
             for _ in range(3):
-                req = int(rng.integers(8))
-                overwrite = req not in live or bool(rng.random() < 0.2)
-                count = 0 if overwrite else live[req]
-                new = rng.integers(1, 100, size=int(rng.integers(0, min(6, 32 - count) + 1))).tolist()
-                tables.append_block_ids(req, (new,), overwrite)
-                live[req] = count + len(new)
+                v2_write_one(tables, live, rng)
             tables.apply_staged_writes()
             req_idx = np.array(sorted(live, key=lambda r: rng.random()), dtype=np.int32)
             device = tables.gather_block_tables(torch.from_numpy(req_idx), len(req_idx))[0]

@@ -108,6 +108,18 @@ def v2_tables(block_size: int, max_num_reqs: int = 8, max_blocks: int = 8) -> An
         return BlockTables(**accepted(BlockTables, **kwargs))
 
 
+def v2_write_one(tables: Any, live: dict[int, int], rng: np.random.Generator, max_blocks: int = 32) -> None:
+    """One ``append_block_ids`` of a runner whose requests come and go: a new request in a random slot,
+    more blocks for one already there, or a slot written again from its start (``overwrite``: another
+    request, or a resumed one). ``live``: each written slot's block count, kept up to date."""
+    req = int(rng.integers(tables.max_num_reqs))
+    overwrite = req not in live or bool(rng.random() < 0.2)
+    count = 0 if overwrite else live[req]
+    new = rng.integers(1, 100, size=int(rng.integers(0, min(6, max_blocks - count) + 1))).tolist()
+    tables.append_block_ids(req, (new,), overwrite)
+    live[req] = count + len(new)
+
+
 def v2_apply(tables: Any) -> None:
     """What ``BlockTables.apply_staged_writes`` does, for one KV cache group. vLLM applies the writes it
     staged (row, first column, ids; per ``append_block_ids``) with a Triton kernel, which needs a GPU: the

@@ -28,7 +28,14 @@ from mla_layer_on_cpu import (
     make_builder,
     recording,
 )
-from vllm_runner_objects import runner_block_table, runner_input_batch, v2_apply, v2_gather, v2_tables
+from vllm_runner_objects import (
+    runner_block_table,
+    runner_input_batch,
+    v2_apply,
+    v2_gather,
+    v2_tables,
+    v2_write_one,
+)
 
 from mla_prefill_ext import versions
 from mla_prefill_ext.testing import vllm_host as host
@@ -524,12 +531,7 @@ def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_comin
     tables = v2_tables(BS, max_num_reqs=8, max_blocks=32)
     live: dict[int, int] = {}
     for _ in range(40):
-        req = int(rng.integers(8))
-        overwrite = req not in live or bool(rng.random() < 0.2)
-        count = 0 if overwrite else live[req]
-        new = rng.integers(1, 100, size=int(rng.integers(0, min(6, 32 - count) + 1))).tolist()
-        tables.append_block_ids(req, (new,), overwrite)
-        live[req] = count + len(new)
+        v2_write_one(tables, live, rng)
         if rng.random() < 0.5:
             v2_apply(tables)
             step = np.array(sorted(live, key=lambda r: rng.random()), dtype=np.int32)
