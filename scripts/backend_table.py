@@ -20,13 +20,8 @@ WRITE_COMMAND = ".venv/bin/python scripts/backend_table.py --write"
 START, END = "<!-- backend-table:start -->", "<!-- backend-table:end -->"
 
 # Capabilities probed to describe where each backend runs (None: CPU / no GPU).
-PROBES: list[tuple[str, tuple[int, int] | None]] = [
-    ("CPU", None),
-    ("8.x", (8, 0)),
-    ("9.0", (9, 0)),
-    ("10.x", (10, 0)),
-    ("12.x", (12, 0)),
-]
+PROBES: list[tuple[str, tuple[int, int] | None]] = [("CPU", None), ("8.x", (8, 0)), ("9.0", (9, 0))]
+PROBES += [("10.x", (10, 0)), ("12.x", (12, 0))]
 
 
 def table() -> str:
@@ -42,11 +37,8 @@ def table() -> str:
         if not member.is_builtin or member.value is None:
             continue
         cls = member.get_class()
-        where = [
-            label
-            for label, cap in PROBES
-            if cls.supports_compute_capability(None if cap is None else DeviceCapability(*cap))
-        ]
+        caps = [(label, None if cap is None else DeviceCapability(*cap)) for label, cap in PROBES]
+        where = [label for label, cap in caps if cls.supports_compute_capability(cap)]
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
         dims = "DeepSeek-R1 only (qk 128+64, v 128)" if cls.requires_r1_mla_dimensions else "any"
         rows.append(
@@ -76,12 +68,9 @@ def main() -> int:
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] not in ("vllm", "torch"):
             raise
-        print(
-            f"scripts/backend_table.py needs vLLM and PyTorch, which this Python ({sys.executable}) "
-            f"cannot import ({e}). Run it with the project's environment, e.g. {WRITE_COMMAND} "
-            "(bash scripts/setup.sh creates .venv).",
-            file=sys.stderr,
-        )
+        why = f"needs vLLM and PyTorch, which this Python ({sys.executable}) cannot import ({e})"
+        run = f"Run it with the project's environment, e.g. {WRITE_COMMAND} (scripts/setup.sh creates .venv)"
+        print(f"scripts/backend_table.py {why}. {run}.", file=sys.stderr)
         return 2
     text = README.read_text()
     if args.check:

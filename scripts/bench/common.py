@@ -16,11 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def use_this_checkout() -> None:
-    """Import ``mla_prefill_ext`` from this checkout, not from wherever it is installed.
-
-    So that a script run from another tree (e.g. an older commit's, to compare) measures that
-    tree's code.
-    """
+    """Import ``mla_prefill_ext`` from this checkout, not from wherever it is installed (a script run
+    from another tree, e.g. an older commit's, measures that tree's code)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
 
@@ -53,16 +50,9 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         try:
-            info["driver"] = (
-                subprocess.run(
-                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                    capture_output=True,
-                    text=True,
-                )
-                .stdout.strip()
-                .splitlines()[0]
-            )
+            info["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.split()[0]
         except (OSError, IndexError):
             pass
     return info

@@ -140,21 +140,14 @@ def _write(out_dir: Path, seed: int, config_path: Path) -> None:
     os.chmod(tmp, 0o644)
     os.replace(tmp, out_dir / WEIGHTS_FILE)
     shutil.copyfile(config_path, out_dir / "config.json")
-    marker = {
-        "seed": seed,
-        "generator_version": GENERATOR_VERSION,
-        "config_sha256": config_digest(config_path),
-        "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size,
-        "num_tensors": len(tensors),
-        "num_parameters": sum(t.numel() for t in tensors.values()),
-        "rule": {"norms": 1.0, "q_proj|q_b_proj|kv_b_proj": SHARP_STD, "other": BASE_STD},
-    }
+    marker = dict(seed=seed, generator_version=GENERATOR_VERSION, config_sha256=config_digest(config_path))
+    marker.update(weights_bytes=(out_dir / WEIGHTS_FILE).stat().st_size, num_tensors=len(tensors))
+    marker.update(num_parameters=sum(t.numel() for t in tensors.values()))
+    marker["rule"] = {"norms": 1.0, "q_proj|q_b_proj|kv_b_proj": SHARP_STD, "other": BASE_STD}
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=1))
-    print(
-        f"sharp checkpoint (seed {seed}): {len(tensors)} tensors, {marker['num_parameters'] / 1e6:.0f} M "
-        f"parameters in {out_dir} ({time.perf_counter() - t0:.0f} s)",
-        flush=True,
-    )
+    took = f"{marker['num_parameters'] / 1e6:.0f} M parameters in {out_dir}"
+    took += f" ({time.perf_counter() - t0:.0f} s)"
+    print(f"sharp checkpoint (seed {seed}): {len(tensors)} tensors, {took}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

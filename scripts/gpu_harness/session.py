@@ -60,6 +60,7 @@ SHARED_TP2_QUEUE = (
 ).split()
 
 RAY = ("--executor", "ray", "--tp", "2", "--eager")
+SHARED_FA = (*SHARED, "--backend-env", "FLASH_ATTN")
 EXTRA = {
     s.name: s
     for s in [
@@ -69,13 +70,8 @@ EXTRA = {
         Scenario("fi-ray", ("--backend-env", "FLASHINFER", *RAY), gpus=2, env=RAY_ENV),
         Scenario("ray-old-custom", ("--custom", "--backend-env", "CUSTOM", *RAY), gpus=2, env=RAY_ENV),
         Scenario("stock-shared-ray", ("--stock", *SHARED, *RAY), gpus=2, env=RAY_ENV),
-        Scenario("shim-fa-shared-ray", (*SHARED, "--backend-env", "FLASH_ATTN", *RAY), gpus=2, env=RAY_ENV),
-        Scenario(
-            "shim-fa-shared-off-ray",
-            (*SHARED, "--backend-env", "FLASH_ATTN", *RAY),
-            gpus=2,
-            env=(*RAY_ENV, *SHARED_OFF),
-        ),
+        Scenario("shim-fa-shared-ray", (*SHARED_FA, *RAY), gpus=2, env=RAY_ENV),
+        Scenario("shim-fa-shared-off-ray", (*SHARED_FA, *RAY), gpus=2, env=(*RAY_ENV, *SHARED_OFF)),
     ]
 }
 ALL = {**SCENARIOS, **EXTRA}

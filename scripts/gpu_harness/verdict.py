@@ -45,10 +45,8 @@ class Flip:
     def __str__(self) -> str:
         gap = "unknown" if self.reference_gap is None else f"{self.reference_gap:.4g}"
         what = "near-tie, allowed" if self.allowed else "REFUSED"
-        return (
-            f"prompt {self.prompt} position {self.position}: {self.reference_token} -> "
-            f"{self.candidate_token} (stock top-1/top-2 gap {gap}; {what})"
-        )
+        flip = f"{self.reference_token} -> {self.candidate_token}"
+        return f"prompt {self.prompt} position {self.position}: {flip} (stock top-1/top-2 gap {gap}; {what})"
 
 
 @dataclass
@@ -65,13 +63,12 @@ class Verdict:
     def __str__(self) -> str:
         head = f"{self.label}: " if self.label else ""
         bound = "" if self.bound is None else f", bound {self.bound:g}"
-        lines = [
-            f"{head}{self.kind} {'PASSED' if self.passed else 'FAILED'}: max |logprob diff| "
-            f"{self.max_diff:.4g} over {self.compared_positions} positions{bound}, "
-            f"{len(self.flips)} flip(s); {self.reason}"
-        ]
-        lines += [f"  flip at {f}" for f in self.flips]
-        return "\n".join(lines)
+        verdict = "PASSED" if self.passed else "FAILED"
+        outcome = f"{self.kind} {verdict}: max |logprob diff| {self.max_diff:.4g}"
+        counts = f"over {self.compared_positions} positions{bound}, {len(self.flips)} flip(s)"
+        return "\n".join(
+            [f"{head}{outcome} {counts}; {self.reason}", *(f"  flip at {f}" for f in self.flips)]
+        )
 
 
 def _shape_problem(candidate: Sequence[dict], reference: Sequence[dict]) -> str | None:
