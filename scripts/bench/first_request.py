@@ -284,8 +284,8 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
             raw["ok"] = False
             raw.setdefault("error", f"exit status {raw['returncode']}; see {log}")
         results.append(raw)
-        if args.json:  # raw, before any arithmetic: what ran so far survives a later failure
-            Path(args.json).write_text(json.dumps({**header(args, sides), "sides": results}, indent=1))
+        # Raw, before any arithmetic: what ran so far survives a later failure.
+        common.write_json(args.json, {**header(args, sides), "sides": results})
         common.stamp(f"{side.label}: " + ("done" if raw["ok"] else f"FAILED ({raw.get('error')})"))
     return results
 
@@ -298,18 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock, backend names, NAME-warm")
     parser.add_argument("--quick", action="store_true", help="a smaller first wave (16 requests, shorter)")
-    parser.add_argument(
-        "--eager", action="store_true", help="enforce_eager: no torch.compile, no CUDA graphs"
-    )
     parser.add_argument("--requests", type=int, help="first-wave requests (default 64, --quick 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
     add_side_arguments(parser, side_timeout=480.0, what_logs="engine")
     parser.add_argument("--warm-cache", help="FlashInfer cache (a FLASHINFER_WORKSPACE_BASE) for -warm sides")
     parser.add_argument("--flashinfer-cache", help="one FlashInfer cache for every other side")
-    parser.add_argument(
-        "--keep-host-caches", action="store_true", help="vLLM's and Triton's caches as the host has them"
-    )
+    parser.add_argument("--keep-host-caches", action="store_true", help="the host's vLLM and Triton caches")
     parser.add_argument("--child", metavar="SIDE", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
@@ -333,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         elif temporary:
             shutil.rmtree(cache_root, ignore_errors=True)
     rows = summarize(results)
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({**header(args, sides), "sides": results, "table": rows}, indent=1)
-        )
+    common.write_json(args.json, {**header(args, sides), "sides": results, "table": rows})
     print("\n".join(markdown(rows)), flush=True)
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -227,20 +227,15 @@ def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list
     log = Path(args.logs) / f"{side.label}.log" if args.logs else home / "server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{args.port}"
-    raw["command"] = serve_command(args, args.port)
-    raw["log"] = str(log)
     started = time.time()
-    raw["launched_at"] = started
+    raw.update(command=serve_command(args, args.port), log=str(log), launched_at=started)
     with open(log, "w") as log_file:
         proc = subprocess.Popen(raw["command"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             ready = wait_healthy(base, proc, limit)
             if ready is None:
-                why = (
-                    f"exit status {proc.returncode}"
-                    if proc.poll() is not None
-                    else f"not ready in {limit:.0f} s"
-                )
+                gone = proc.poll() is not None
+                why = f"exit status {proc.returncode}" if gone else f"not ready in {limit:.0f} s"
                 raw.update(ok=False, error=f"server {why}; see {log}")
                 return raw
             raw["ready_wall"] = ready
@@ -248,8 +243,7 @@ def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list
             left = limit - (time.time() - started)
             load = Load(requests=len(prompts), clients=args.clients)
             raw["requests"] = asyncio.run(send_load(f"{base}/v1/completions", prompts, load, max(left, 1.0)))
-            raw["cache_after_load"] = modules_in_cache(flashinfer)
-            raw["load"] = asdict(load)
+            raw.update(cache_after_load=modules_in_cache(flashinfer), load=asdict(load))
             errors = sum(r["status"] != 200 for r in raw["requests"])
             raw["ok"] = errors == 0
             if errors:
@@ -270,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default=DEFAULT_SIDES, help="stock and backend names, in order")
     parser.add_argument("--requests", type=int, default=Load.requests)
     parser.add_argument("--clients", type=int, default=Load.clients)
-    parser.add_argument(
-        "--eager", action="store_true", help="--enforce-eager: no torch.compile, no CUDA graphs"
-    )
     parser.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's own")
-    parser.add_argument("--gpu-mem", type=float, default=0.5, help="--gpu-memory-utilization")
     parser.add_argument("--port", type=int, default=8731)
     add_side_arguments(parser, side_timeout=540.0, what_logs="server")
     args = parser.parse_args(argv)

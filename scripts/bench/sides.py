@@ -114,13 +114,15 @@ def time_for_side(args: argparse.Namespace, min_s: float) -> tuple[float, str | 
 
 def add_side_arguments(parser: argparse.ArgumentParser, *, side_timeout: float, what_logs: str) -> None:
     """The flags every side-by-side benchmark takes: output, logs, caches, time limits, GPU memory."""
+    parser.add_argument(
+        "--eager", action="store_true", help="enforce_eager: no torch.compile, no CUDA graphs"
+    )
+    parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
     parser.add_argument("--json", help="write the raw results and the table here")
     parser.add_argument("--logs", help=f"folder for each side's {what_logs} log (default: the cache root)")
     parser.add_argument("--cache-root", help="folder for the sides' caches (default: a temporary one)")
     parser.add_argument("--side-timeout", type=float, default=side_timeout, help="seconds one side may take")
-    parser.add_argument(
-        "--deadline", type=float, help="epoch seconds: no side runs past it; sides without time are skipped"
-    )
+    parser.add_argument("--deadline", type=float, help="epoch seconds: no side runs past it (others skipped)")
 
 
 # --- a side's process ------------------------------------------------------------------------

@@ -82,45 +82,33 @@ def prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def shared_prompt_sets() -> dict[str, list[list[int]]]:
-    """The ``shared`` prompt set: one ``generate`` call per entry, in order (see the module docstring).
-
-    Each set's requests share the first ``SHARED_PREFIX`` tokens and differ from the first token after
-    them (seeded random tokens); ``shared_private`` extends ``shared_private_warm``'s prompts.
-    """
+    """The ``shared`` prompt set, one ``generate`` call per entry in order: the prefix alone (cached),
+    16 short extends of it (vLLM's decode path unless routed), 8 long ones, then 8 private contexts
+    after it (cached by the first of those two calls), each extended."""
     prefix = prompts([SHARED_PREFIX], seed=11)[0]
-    private = prompts([SHARED_PRIVATE_CONTEXT] * SHARED_PRIVATE, seed=14)
-    return {
-        "shared_warm": [prefix],
-        "shared_short": [prefix + s for s in prompts([SHARED_SHORT_NEW] * SHARED_SHORT, seed=12)],
-        "shared_long": [prefix + s for s in prompts([SHARED_LONG_NEW] * SHARED_LONG, seed=13)],
-        "shared_private_warm": [prefix + p for p in private],
-        "shared_private": [
-            prefix + p + n
-            for p, n in zip(private, prompts([SHARED_PRIVATE_NEW] * SHARED_PRIVATE, seed=15), strict=True)
-        ],
-    }
+    private = [prefix + p for p in prompts([SHARED_PRIVATE_CONTEXT] * SHARED_PRIVATE, seed=14)]
+    sets = {"shared_warm": [prefix]}
+    sets["shared_short"] = [prefix + s for s in prompts([SHARED_SHORT_NEW] * SHARED_SHORT, seed=12)]
+    sets["shared_long"] = [prefix + s for s in prompts([SHARED_LONG_NEW] * SHARED_LONG, seed=13)]
+    extends = prompts([SHARED_PRIVATE_NEW] * SHARED_PRIVATE, seed=15)
+    sets["shared_private_warm"] = private
+    return {**sets, "shared_private": [p + n for p, n in zip(private, extends, strict=True)]}
 
 
 def shared_cached_tokens(key: str) -> int:
     """How many leading tokens of each prompt of ``key`` an earlier call of the ``shared`` set cached."""
-    return {
-        "shared_warm": 0,
-        "shared_private": SHARED_PREFIX + SHARED_PRIVATE_CONTEXT,
-    }.get(key, SHARED_PREFIX)
+    cached = {"shared_warm": 0, "shared_private": SHARED_PREFIX + SHARED_PRIVATE_CONTEXT}
+    return cached.get(key, SHARED_PREFIX)
 
 
 def default_checkpoint_dir() -> Path:
-    env = os.environ.get(CHECKPOINT_DIR_ENV)
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "mla-prefill-ext" / f"tiny-deepseek-v2-sharp-seed{SHARP_SEED}"
+    cache = Path.home() / ".cache" / "mla-prefill-ext" / f"tiny-deepseek-v2-sharp-seed{SHARP_SEED}"
+    return Path(os.environ.get(CHECKPOINT_DIR_ENV) or cache)
 
 
 def ensure_checkpoint(model_dir: Path) -> Path:
     """The sharp checkpoint in ``model_dir``, generated (in a child process, CPU only) if missing."""
-    subprocess.run(
-        [sys.executable, str(MAKE_CHECKPOINT), str(model_dir), "--seed", str(SHARP_SEED)], check=True
-    )
+    subprocess.run([sys.executable, MAKE_CHECKPOINT, model_dir, "--seed", str(SHARP_SEED)], check=True)
     return model_dir
 
 
@@ -363,14 +351,10 @@ def summarize(out: Any) -> dict:
         best = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)[:TOP_LOGPROBS]
         top2.append([lp.logprob for _, lp in best])
         top2_tokens.append([tok for tok, _ in best])
-    return {
-        "prompt_len": len(out.prompt_token_ids),
-        "tokens": list(c.token_ids),
-        "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
-        "top2": top2,
-        "top2_tokens": top2_tokens,
-        "num_cached_tokens": out.num_cached_tokens,
-    }
+    logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    record = dict(prompt_len=len(out.prompt_token_ids), tokens=list(c.token_ids), logprobs=logprobs)
+    record["top2"] = top2
+    return {**record, "top2_tokens": top2_tokens, "num_cached_tokens": out.num_cached_tokens}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -433,14 +417,8 @@ def run(args: argparse.Namespace) -> dict:
                 generate(ps, one)
                 if rep:
                     times.append(time.perf_counter() - t)
-            bench.append(
-                {
-                    "prompt_len": length,
-                    "batch": batch,
-                    "seconds": times,
-                    "tokens_per_s": [length * batch / s for s in times],
-                }
-            )
+            point = {"prompt_len": length, "batch": batch, "seconds": times}
+            bench.append({**point, "tokens_per_s": [length * batch / s for s in times]})
     libraries = llm.collective_rpc(flash_attn_libraries) if args.flash_attn_version else None
     return {"ready_s": ready_s, "results": results, "bench": bench, "flash_attn_libraries": libraries}
 
