@@ -149,12 +149,9 @@ def start_engine(
                 os.environ[k] = v
     reports = llm.collective_rpc(prefill_owners)
     config = llm.llm_engine.vllm_config
-    info = {
-        "ready_s": ready_s,
-        "workers": reports,
-        "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
-        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-    }
+    scheduler = config.scheduler_config
+    info = dict(ready_s=ready_s, workers=reports, max_num_batched_tokens=scheduler.max_num_batched_tokens)
+    info["async_scheduling"] = getattr(scheduler, "async_scheduling", None)
     for report in reports:
         if side == "stock":
             ok = not report["patched"] and True not in report["addon_owned"]
@@ -240,14 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--gpu-mem", type=float, default=0.25, help="gpu_memory_utilization per engine")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument(
-        "--tree", action="append", default=[], help="LABEL=DIR: code tree for sides NAME@LABEL"
-    )
-    parser.add_argument(
-        "--compare",
-        default="FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock",
-        help="A/B ratios to report (of sides present)",
-    )
+    parser.add_argument("--tree", action="append", default=[], help="LABEL=DIR: an add-on for NAME@LABEL")
+    compare = "FLASHINFER/FLASH_ATTN,FLASH_ATTN/stock,FLASHINFER/stock"
+    parser.add_argument("--compare", default=compare, help="A/B ratios to report (of sides present)")
     args = parser.parse_args(argv)
     args.trees = {t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}
     sides = args.sides.split(",")
@@ -267,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps + 1):
         order = sides[rep % len(sides) :] + sides[: rep % len(sides)]
         for length, batch in grid:
-            batch_prompts = [
-                TokensPrompt(prompt_token_ids=p)
-                for p in prompts(length, batch, (rep * 1_000_003 + length) * 131 + batch, vocab)
-            ]
+            seed = (rep * 1_000_003 + length) * 131 + batch
+            batch_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts(length, batch, seed, vocab)]
             for side in order:
                 t = time.perf_counter()
                 engines[side].generate(batch_prompts, one, use_tqdm=False)
@@ -278,22 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                     seconds[side].setdefault(f"{length}x{batch}", []).append(time.perf_counter() - t)
         common.stamp(f"repetition {rep}/{args.reps} done (order {order})")
 
-    record = common.record(
-        args={**vars(args), "model": str(args.model), "trees": {k: str(v) for k, v in args.trees.items()}},
-        engines=info,
-        seconds=seconds,  # raw, written before any arithmetic on it
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1))
+    run_args = {**vars(args), "model": str(args.model), "trees": {k: str(v) for k, v in args.trees.items()}}
+    record = common.record(args=run_args, engines=info, seconds=seconds)
+    common.write_json(args.json, record)  # raw, written before any arithmetic on it
     table, summary = tabulate(seconds, grid, sides, pairs)
     print("\n".join(markdown(table, sides)))
     for key, s in summary.items():
-        print(
-            f"{key}: median over points {s['median_of_points']:.3f} ({s['min']:.3f}-{s['max']:.3f})",
-            flush=True,
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({**record, "table": table, "summary": summary}, indent=1))
+        print(f"{key}: median over points {s['median_of_points']:.3f} ({s['min']:.3f}-{s['max']:.3f})")
+    common.write_json(args.json, {**record, "table": table, "summary": summary})
     return 0
 
 

@@ -40,13 +40,8 @@ def parse_grid_shapes(text: str) -> list[list[int]]:
     return out
 
 
-def kernel_grid(
-    quick: bool,
-    device: str,
-    dims_choice: str = "all",
-    shapes: list[list[int]] | None = None,
-    heads_choice: tuple[int, ...] = (16, 128),
-) -> list[dict[str, Any]]:
+def kernel_grid(quick: bool, device: str, dims_choice="all", shapes=None, heads_choice=(16, 128)) -> list:
+    """The cases: each of ``singles`` one sequence, each of ``batches`` one step, per dims and heads."""
     if device == "cpu":  # a smoke-sized case: the script itself, not the numbers
         return [{"dims": R1, "heads": 2, "new": [64], "ctx": [64]}]
     singles = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -55,14 +50,9 @@ def kernel_grid(
         singles, batches = [512, 4096, 16384], [[128] * 64]
     if shapes is not None:
         singles, batches = [], shapes
-    grid = []
-    for dims in {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]:
-        for heads in heads_choice:
-            for n in singles:
-                grid.append(grid_case(dims, heads, [n]))
-            for b in batches:
-                grid.append(grid_case(dims, heads, b))
-    return grid
+    dims = {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]
+    steps = [[n] for n in singles] + list(batches)
+    return [grid_case(d, heads, new) for d in dims for heads in heads_choice for new in steps]
 
 
 def grid_case(dims: tuple[int, int, int], heads: int, new: list[int]) -> dict[str, Any]:
@@ -220,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", help="SEQSxNEW,... instead of the grid's shapes (context: NEW each)")
     parser.add_argument("--heads", default="16,128", help="head counts, comma-separated")
     parser.add_argument("--with-lse", action="store_true", help="also time new_tokens_lse (see above)")
-    parser.add_argument(
-        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: the GPU if any"
-    )
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="a GPU if any")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     common.use_this_checkout()
