@@ -32,19 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common
-from .sides import (
-    Side,
-    add_side_arguments,
-    against_stock,
-    failed_cells,
-    markdown_table,
-    modules_in_cache,
-    parse_sides,
-    percentile,
-    process_env,
-    run_child,
-    time_for_side,
-)
+from . import sides as runner
 from .workload import MAX_TOKENS, MODEL_DIR, QUICK_WAVE, Wave, make_wave
 
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
@@ -76,10 +64,10 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
         up_after_s=raw["ready_wall"] - raw["launched_at"],
         engine_s=raw["ready_wall"] - raw["engine_started_wall"],
         warmup_s=sum(w["seconds"] for report in before for w in report["warmups"]),
-        p50_s=percentile(latencies, 50),
-        p99_s=percentile(latencies, 99),
+        p50_s=runner.percentile(latencies, 50),
+        p99_s=runner.percentile(latencies, 99),
         max_s=max(latencies),
-        ttft_p99_s=percentile([r["first_token_s"] for r in raw["requests"]], 99),
+        ttft_p99_s=runner.percentile([r["first_token_s"] for r in raw["requests"]], 99),
         requests=len(latencies),
         cached_prompt_tokens=sum(r["num_cached_tokens"] or 0 for r in raw["requests"]),
         modules_loaded_in_wave=sorted(
@@ -98,7 +86,7 @@ def loaded_between(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
 
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every side's figures, with its p99 and start-up next to stock's where stock ran."""
-    return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s"], ["up_after_s"])
+    return runner.against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s"], ["up_after_s"])
 
 
 COLUMNS = ["side", "FlashInfer cache", "up after", "of it, prefill warm-up", "first wave p50", "p99", "max"]
@@ -109,14 +97,14 @@ LATENCIES = ("p50_s", "p99_s", "max_s")
 def cells(r: dict[str, Any]) -> list[str]:
     """One side's row of the table."""
     if not r["ok"]:
-        return failed_cells(r)
+        return runner.failed_cells(r)
     times = [f"{r['up_after_s']:.0f} s", f"{r['warmup_s']:.1f} s", *(f"{r[k]:.2f} s" for k in LATENCIES)]
     ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
     return [r["side"], r["flashinfer_cache"], *times, ratio, ", ".join(r["modules_loaded_in_wave"]) or "none"]
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
-    return markdown_table(COLUMNS, map(cells, rows))
+    return runner.markdown_table(COLUMNS, map(cells, rows))
 
 
 # --- inside a worker (collective_rpc) ------------------------------------------------------
@@ -138,8 +126,8 @@ def worker_report(worker: Any) -> dict[str, Any]:
     for groups in getattr(worker.model_runner, "attn_groups", []):
         for group in groups:
             for builder in getattr(group, "metadata_builders", []):
-                for runner in (getattr(builder, "_mla_prefill_runners", None) or {}).values():
-                    chunk_plans.append(len(getattr(runner, "_chunks", [])))
+                for step_runner in (getattr(builder, "_mla_prefill_runners", None) or {}).values():
+                    chunk_plans.append(len(getattr(step_runner, "_chunks", [])))
     env = _sys.modules.get("flashinfer.jit.env")
     modules, misses = [], {}
     if env is not None:
@@ -221,7 +209,7 @@ def child_main(args: argparse.Namespace) -> int:
 # --- the sides, one after the other ------------------------------------------------------
 
 
-def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
+def check_owners(side: runner.Side, reports: list[dict[str, Any]]) -> str | None:
     """Why the side's engine is not what the side claims (None: it is)."""
     for report in reports:
         if side.backend is None:
@@ -235,7 +223,7 @@ def check_owners(side: Side, reports: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> list[dict[str, Any]]:
+def run_sides(args: argparse.Namespace, sides: list[runner.Side], cache_root: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     filled: dict[str, Path] = {}  # backend -> the FlashInfer cache its cold side filled
     for n, side in enumerate(sides):
@@ -251,7 +239,7 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
             filled[side.backend] = flashinfer
         host = None if args.keep_host_caches else home
         # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc with worker_report.
-        env = process_env(side, flashinfer, host, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        env = runner.process_env(side, flashinfer, host, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         out = cache_root / f"{n}-{side.label}.json"
         log = Path(args.logs) / f"{side.label}.log" if args.logs else cache_root / f"{side.label}.log"
         # The side's process runs this module again (``--child``), from the same checkout.
@@ -262,18 +250,18 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
         command += ["--quick"] * args.quick + ["--eager"] * args.eager
         command += ["--requests", str(args.requests)] if args.requests else []
         raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": state}
-        raw.update(flashinfer_cache=str(flashinfer), cache_before=modules_in_cache(flashinfer))
-        limit, skipped = time_for_side(args, MIN_SIDE_S)
+        raw.update(flashinfer_cache=str(flashinfer), cache_before=runner.modules_in_cache(flashinfer))
+        limit, skipped = runner.time_for_side(args, MIN_SIDE_S)
         if skipped is not None:
             raw.update(ok=False, returncode=None, error=skipped)
             results.append(raw)
             common.stamp(f"{side.label}: {raw['error']}")
             continue
         common.stamp(f"{side.label}: starting (FlashInfer cache {state})")
-        raw["returncode"] = run_child([*command, "--launched-at", repr(time.time())], env, log, limit)
+        raw["returncode"] = runner.run_child([*command, "--launched-at", repr(time.time())], env, log, limit)
         if raw["returncode"] is None:
             raw["error"] = f"no result within {limit:.0f} s"
-        raw.update(cache_after=modules_in_cache(flashinfer), log=str(log))
+        raw.update(cache_after=runner.modules_in_cache(flashinfer), log=str(log))
         if out.exists():
             raw.update(json.loads(out.read_text()))
             raw["ok"] = raw["returncode"] == 0
@@ -290,7 +278,7 @@ def run_sides(args: argparse.Namespace, sides: list[Side], cache_root: Path) -> 
     return results
 
 
-def header(args: argparse.Namespace, sides: list[Side]) -> dict[str, Any]:
+def header(args: argparse.Namespace, sides: list[runner.Side]) -> dict[str, Any]:
     return common.record(args=vars(args), sides_asked=[asdict(s) for s in sides])
 
 
@@ -300,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller first wave (16 requests, shorter)")
     parser.add_argument("--requests", type=int, help="first-wave requests (default 64, --quick 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    add_side_arguments(parser, side_timeout=480.0, what_logs="engine")
+    runner.add_side_arguments(parser, side_timeout=480.0, what_logs="engine")
     parser.add_argument("--warm-cache", help="FlashInfer cache (a FLASHINFER_WORKSPACE_BASE) for -warm sides")
     parser.add_argument("--flashinfer-cache", help="one FlashInfer cache for every other side")
     parser.add_argument("--keep-host-caches", action="store_true", help="the host's vLLM and Triton caches")
@@ -311,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args)
     try:
-        sides = parse_sides(args.sides, warm_cache_given=bool(args.warm_cache))
+        sides = runner.parse_sides(args.sides, warm_cache_given=bool(args.warm_cache))
     except ValueError as e:
         parser.error(str(e))
     if args.logs:

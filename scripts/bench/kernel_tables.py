@@ -81,42 +81,35 @@ def plot(kernel_rows: list[dict[str, Any]], path: str, dpi: int = 120) -> None:
     fig.savefig(path, dpi=dpi)
 
 
+def _tflops(r: dict[str, Any]) -> str:
+    """A row's TFLOP/s, next to its bare kernel's where it has one: ``backend / bare (ratio)``."""
+    if "bare_tflops" not in r:
+        return f"{r['backend_tflops']:.1f}"
+    return f"{r['backend_tflops']:.0f} / {r['bare_tflops']:.0f} ({r['ratio']:.3f})"
+
+
 def kernel_markdown(kernel_rows: list[dict[str, Any]]) -> list[str]:
     """Backend vs bare kernel per shape (TFLOP/s and ratio), then the first failure if any failed."""
     lines: list[str] = []
     rows = [r for r in kernel_rows if "error" not in r]
     if rows:
-        lines += [
-            "| op | dims (nope,rope,v) | heads | seqs x tokens | FLASH_ATTN backend / bare TFLOP/s (ratio) "
-            "| FLASHINFER backend / bare TFLOP/s (ratio) | TORCH_SDPA TFLOP/s |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
+        columns = ["op", "dims (nope,rope,v)", "heads", "seqs x tokens"]
+        columns += [f"{b} backend / bare TFLOP/s (ratio)" for b in ("FLASH_ATTN", "FLASHINFER")]
         keys = sorted(
             {(r["op"], tuple(r["dims"]), r["heads"], r["seqs"], r["shape"]) for r in rows},
             key=lambda k: (k[0] != "new_tokens", k[1] != R1, k[2], k[3] > 1, int(k[4].split("x")[1])),
         )
+        table = []
         for op, dims, heads, _seqs, shape in keys:
-            cell = {}
-            for r in rows:
-                if _shape_key(r) == (op, dims, heads, shape):
-                    if "bare_tflops" in r:
-                        cell[r["backend"]] = (
-                            f"{r['backend_tflops']:.0f} / {r['bare_tflops']:.0f} ({r['ratio']:.3f})"
-                        )
-                    else:
-                        cell[r["backend"]] = f"{r['backend_tflops']:.1f}"
-            lines.append(
-                f"| {op} | {','.join(map(str, dims))} | {heads} | {shape} | {cell.get('FLASH_ATTN', '-')} "
-                f"| {cell.get('FLASHINFER', '-')} | {cell.get('TORCH_SDPA', '-')} |"
-            )
-        lines.append("")
+            cell = {r["backend"]: _tflops(r) for r in rows if _shape_key(r) == (op, dims, heads, shape)}
+            backends = [cell.get(b, "-") for b in ("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA")]
+            table.append([op, ",".join(map(str, dims)), str(heads), shape, *backends])
+        lines += [*markdown_table([*columns, "TORCH_SDPA TFLOP/s"], table), ""]
     errors = [r for r in kernel_rows if "error" in r]
     if errors:
         err = errors[0]
-        lines += [
-            f"{len(errors)} cases failed to run; the first: {err['backend']} {err['dims']}: {err['error']}",
-            "",
-        ]
+        first = f"{err['backend']} {err['dims']}: {err['error']}"
+        lines += [f"{len(errors)} cases failed to run; the first: {first}", ""]
     return lines
 
 

@@ -30,19 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common
-from .sides import (
-    Side,
-    add_side_arguments,
-    against_stock,
-    failed_cells,
-    markdown_table,
-    modules_in_cache,
-    parse_sides,
-    percentile,
-    process_env,
-    stop_server,
-    time_for_side,
-)
+from . import sides as runner
 from .workload import MAX_TOKENS, MODEL_DIR, Wave, make_wave
 
 DEFAULT_SIDES = "stock,FLASHINFER,FLASH_ATTN"
@@ -99,10 +87,10 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
         requests=len(raw["requests"]),
         load_s=end - start,
         prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / (end - start),
-        p50_s=percentile(latencies, 50) if latencies else float("nan"),
-        p99_s=percentile(latencies, 99) if latencies else float("nan"),
+        p50_s=runner.percentile(latencies, 50) if latencies else float("nan"),
+        p99_s=runner.percentile(latencies, 99) if latencies else float("nan"),
         max_s=max(latencies, default=float("nan")),
-        first_wave_p99_s=percentile(first_wave, 99) if first_wave else float("nan"),
+        first_wave_p99_s=runner.percentile(first_wave, 99) if first_wave else float("nan"),
         modules_at_ready=raw["cache_at_ready"],
         modules_built_after_ready=sorted(set(raw["cache_after_load"]) - set(raw["cache_at_ready"])),
         flashinfer_cache=raw["flashinfer_cache_state"],
@@ -115,7 +103,7 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every side's figures, with its p99 and up-time next to stock's where stock ran."""
-    return against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s", "first_wave_p99_s"])
+    return runner.against_stock([side_summary(raw) for raw in sides], "p99_s", ["p99_s", "first_wave_p99_s"])
 
 
 COLUMNS = ["side", "FlashInfer cache", "up after", "errors", "prompt tokens/s", "latency p50", "p99", "max"]
@@ -125,7 +113,7 @@ COLUMNS += ["first wave p99", "p99 / stock", "FlashInfer modules built after rea
 def cells(r: dict[str, Any]) -> list[str]:
     """One side's row of the table."""
     if "p99_s" not in r:
-        return failed_cells(r)
+        return runner.failed_cells(r)
     up, errors = f"{r['up_after_s']:.0f} s", f"{r['errors']} of {r['requests']}"
     rate = f"{r['prompt_tokens_per_s']:,.0f}"
     times = [f"{r[k]:.2f} s" for k in ("p50_s", "p99_s", "max_s", "first_wave_p99_s")]
@@ -135,10 +123,10 @@ def cells(r: dict[str, Any]) -> list[str]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
-    return markdown_table(COLUMNS, map(cells, rows))
+    return runner.markdown_table(COLUMNS, map(cells, rows))
 
 
-def claim_problem(side: Side, log_text: str) -> str | None:
+def claim_problem(side: runner.Side, log_text: str) -> str | None:
     """Why the server's log shows another prefill than the side's (None: it shows the side's).
 
     A backend side needs the add-on's selection line for that backend (patch and bridge both log
@@ -215,15 +203,17 @@ def wait_healthy(base: str, proc: subprocess.Popen, limit_s: float) -> float | N
     return None
 
 
-def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list[int]]) -> dict[str, Any]:
+def run_side(
+    args: Any, side: runner.Side, n: int, cache_root: Path, prompts: list[list[int]]
+) -> dict[str, Any]:
     home = cache_root / f"{n}-{side.label}"
     flashinfer = home / "flashinfer"
     raw: dict[str, Any] = {"side": side.label, "backend": side.backend, "flashinfer_cache_state": "cold"}
-    limit, skipped = time_for_side(args, MIN_SIDE_S)
+    limit, skipped = runner.time_for_side(args, MIN_SIDE_S)
     if skipped is not None:
         raw.update(ok=False, error=skipped)
         return raw
-    env = process_env(side, flashinfer, home)
+    env = runner.process_env(side, flashinfer, home)
     log = Path(args.logs) / f"{side.label}.log" if args.logs else home / "server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{args.port}"
@@ -239,18 +229,18 @@ def run_side(args: Any, side: Side, n: int, cache_root: Path, prompts: list[list
                 raw.update(ok=False, error=f"server {why}; see {log}")
                 return raw
             raw["ready_wall"] = ready
-            raw["cache_at_ready"] = modules_in_cache(flashinfer)
+            raw["cache_at_ready"] = runner.modules_in_cache(flashinfer)
             left = limit - (time.time() - started)
             load = Load(requests=len(prompts), clients=args.clients)
             raw["requests"] = asyncio.run(send_load(f"{base}/v1/completions", prompts, load, max(left, 1.0)))
-            raw.update(cache_after_load=modules_in_cache(flashinfer), load=asdict(load))
+            raw.update(cache_after_load=runner.modules_in_cache(flashinfer), load=asdict(load))
             errors = sum(r["status"] != 200 for r in raw["requests"])
             raw["ok"] = errors == 0
             if errors:
                 first = next(r for r in raw["requests"] if r["status"] != 200)
                 raw["error"] = f"{errors} requests failed; the first: {first}"
         finally:
-            stop_server(proc)
+            runner.stop_server(proc)
     text = log.read_text(errors="replace")
     raw["warmup_lines"] = warmup_lines(text)
     problem = claim_problem(side, text)
@@ -266,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=Load.clients)
     parser.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's own")
     parser.add_argument("--port", type=int, default=8731)
-    add_side_arguments(parser, side_timeout=540.0, what_logs="server")
+    runner.add_side_arguments(parser, side_timeout=540.0, what_logs="server")
     args = parser.parse_args(argv)
     try:
-        sides = parse_sides(args.sides, warm_cache_given=True)  # warm sides are refused just below
+        sides = runner.parse_sides(args.sides, warm_cache_given=True)  # warm sides are refused just below
     except ValueError as e:
         parser.error(str(e))
     if any(s.warm for s in sides):

@@ -115,6 +115,12 @@ def ensure_checkpoint(model_dir: Path) -> Path:
 # --- test-only: smaller context chunks, with evidence from the engine process ---------------
 
 
+def _record(evidence: Path, line: str) -> None:
+    """One line of a test-only wrapper's evidence, after the writing process's pid (see :func:`_lines`)."""
+    with open(evidence, "a") as f:
+        f.write(f"{os.getpid()} {line}\n")
+
+
 def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str, Any]]:
     """After vLLM's own ``MLACommonMetadataBuilder.__init__``, set its chunked-context workspace size
     to ``tokens`` and record each step's context chunks; ``(path, wrapper)`` pairs (the CPU test
@@ -123,32 +129,24 @@ def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str
     import wrapt
     from vllm.model_executor.layers.attention import mla_attention
 
-    def record(line: str) -> None:
-        with open(evidence, "a") as f:
-            f.write(f"{os.getpid()} {line}\n")
-
     def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         wrapped(*args, **kwargs)
         stock = instance.chunked_prefill_workspace_size
         if tokens > stock:
             raise ValueError(f"--context-chunk-tokens {tokens} exceeds the stock workspace ({stock} tokens)")
         instance.chunked_prefill_workspace_size = tokens
-        record(f"init {stock} {tokens}")
+        _record(evidence, f"init {stock} {tokens}")
 
     def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         metadata = wrapped(*args, **kwargs)
         chunked = getattr(getattr(metadata, "prefill", None), "chunked_context", None)
         if chunked is not None:  # host lists: no device sync
-            record(f"chunks {len(chunked.seq_tot)} {max(chunked.max_seq_lens)}")
+            _record(evidence, f"chunks {len(chunked.seq_tot)} {max(chunked.max_seq_lens)}")
         return metadata
 
-    return [
-        (path, wrapt.wrap_function_wrapper(mla_attention, path, wrapper))
-        for path, wrapper in (
-            ("MLACommonMetadataBuilder.__init__", builder_init),
-            ("MLACommonMetadataBuilder.build", builder_build),
-        )
-    ]
+    wrappers = {"__init__": builder_init, "build": builder_build}
+    paths = {f"MLACommonMetadataBuilder.{name}": w for name, w in wrappers.items()}
+    return [(path, wrapt.wrap_function_wrapper(mla_attention, path, w)) for path, w in paths.items()]
 
 
 def _lines(evidence: Path) -> list[list[str]]:
@@ -200,8 +198,7 @@ def install_decode_threshold_wrapper(threshold: int, evidence: Path) -> list[tup
         wrapped(*args, **kwargs)
         stock = instance.reorder_batch_threshold
         instance.reorder_batch_threshold = min(stock, threshold)
-        with open(evidence, "a") as f:
-            f.write(f"{os.getpid()} threshold {stock} {instance.reorder_batch_threshold}\n")
+        _record(evidence, f"threshold {stock} {instance.reorder_batch_threshold}")
 
     path = "MLACommonMetadataBuilder.__init__"
     return [(path, wrapt.wrap_function_wrapper(mla_attention, path, builder_init))]
@@ -248,12 +245,10 @@ def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str,
     module = importlib.import_module(SHARED_LAYER_MODULE)
 
     def record(plan: Any) -> None:
-        segments = [
-            f"{len(s.members)}:{s.num_tokens}:{max(e - b for b, e in s.query_ranges)}" for s in plan.segments
-        ]
-        passes = len(plan.segment_passes)
-        with open(evidence, "a") as f:
-            f.write(f"{os.getpid()} {mode} {passes} {len(plan.private_passes)} {' '.join(segments)}\n")
+        longest = [max(e - b for b, e in s.query_ranges) for s in plan.segments]
+        shapes = [f"{len(s.members)}:{s.num_tokens}:{q}" for s, q in zip(plan.segments, longest, strict=True)]
+        passes = f"{len(plan.segment_passes)} {len(plan.private_passes)}"
+        _record(evidence, f"{mode} {passes} {' '.join(shapes)}")
 
     def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return call(wrapped, *args, **kwargs)
@@ -287,14 +282,8 @@ def uninstall_shared_context_wrapper(installed: tuple[Any, str, Any]) -> None:
 def shared_context_evidence(evidence: Path) -> dict:
     """What the shared-context wrapper wrote."""
     calls = [
-        (
-            int(pid),
-            mode,
-            int(segment_passes),
-            int(private_passes),
-            [tuple(map(int, s.split(":"))) for s in segs],
-        )
-        for pid, mode, segment_passes, private_passes, *segs in _lines(evidence)
+        (int(pid), mode, int(seg_passes), int(own_passes), [tuple(map(int, s.split(":"))) for s in segs])
+        for pid, mode, seg_passes, own_passes, *segs in _lines(evidence)
     ]
     shapes = [s for c in calls for s in c[4]]
     return {

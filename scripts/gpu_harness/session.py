@@ -140,12 +140,9 @@ def shell(cmd: str, log: Path, devices: str) -> int:
 
 def single(results: Path) -> None:
     ensure_checkpoint(default_model_dir(results))
-    shell(
-        f"{sys.executable} -m pip install -q --no-deps --no-build-isolation --no-index "
-        f"--target {EXAMPLE_SITE} examples/mla_prefill_example_backend",
-        results / "example-install.log",
-        "0",
-    )
+    pip = f"{sys.executable} -m pip install -q --no-deps --no-build-isolation --no-index"
+    pip += f" --target {EXAMPLE_SITE}"
+    shell(f"{pip} examples/mla_prefill_example_backend", results / "example-install.log", "0")
     shared = list(SINGLE_QUEUE)
     warm = threading.Event()
     pytest = f"{sys.executable} -m pytest -q -rs"
@@ -154,13 +151,9 @@ def single(results: Path) -> None:
         # FlashInfer's fa3 prefill JIT (about a minute) happens here, once, before any engine uses it.
         shell(f"{pytest} tests/gpu/test_kernels.py -k bitwise", results / "flashinfer-warmup.log", "1")
         warm.set()
-        shell(
-            f"{pytest} tests/gpu/test_kernels.py tests/gpu/test_no_sync.py "
-            "tests/testing/test_conformance.py::test_builtin_backends_conform_on_gpu "
-            f"--junitxml={results}/kernels.xml",
-            results / "kernels.log",
-            "1",
-        )
+        tests = "tests/gpu/test_kernels.py tests/gpu/test_no_sync.py tests/testing/test_conformance.py"
+        tests += "::test_builtin_backends_conform_on_gpu"
+        shell(f"{pytest} {tests} --junitxml={results}/kernels.xml", results / "kernels.log", "1")
 
     def flashinfer_lane() -> None:
         warm.wait()

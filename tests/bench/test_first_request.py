@@ -22,7 +22,7 @@ BENCH = [sys.executable, "-m", "scripts.bench", "first_request"]  # run from ROO
 
 
 def test_sides_parse_with_their_switches():
-    sides = bench.parse_sides("stock,flash_attn,FLASHINFER,flashinfer-warm")
+    sides = side_runner.parse_sides("stock,flash_attn,FLASHINFER,flashinfer-warm")
     assert [(s.label, s.backend, s.warm) for s in sides] == [
         ("stock", None, False),
         ("FLASH_ATTN", "FLASH_ATTN", False),
@@ -35,10 +35,10 @@ def test_sides_parse_with_their_switches():
 
 def test_a_warm_side_needs_the_cache_it_reuses():
     with pytest.raises(ValueError, match="list that side first, or give --warm-cache"):
-        bench.parse_sides("FLASHINFER-warm,FLASHINFER")
-    assert bench.parse_sides("stock,FLASHINFER-warm", warm_cache_given=True)[1].warm
+        side_runner.parse_sides("FLASHINFER-warm,FLASHINFER")
+    assert side_runner.parse_sides("stock,FLASHINFER-warm", warm_cache_given=True)[1].warm
     with pytest.raises(ValueError, match="listed twice"):
-        bench.parse_sides("stock,FLASH_ATTN,flash_attn")
+        side_runner.parse_sides("stock,FLASH_ATTN,flash_attn")
 
 
 def test_cache_env_keeps_or_isolates_the_hosts_caches(tmp_path):
@@ -55,7 +55,7 @@ def test_a_sides_process_gets_its_own_switch_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_PREFILL_BACKEND", "FLASH_ATTN")  # the driver's own: not the side's
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the caller's choice stays
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)  # unset: off
-    env = side_runner.process_env(bench.parse_sides("stock")[0], tmp_path / "fi", None, EXTRA="1")
+    env = side_runner.process_env(side_runner.parse_sides("stock")[0], tmp_path / "fi", None, EXTRA="1")
     assert env["MLA_PREFILL_EXT_DISABLE"] == "1" and "MLA_PREFILL_BACKEND" not in env
     assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "fi") and "VLLM_CACHE_ROOT" not in env
     assert (env["HF_HUB_OFFLINE"], env["VLLM_USE_FLASHINFER_SAMPLER"], env["EXTRA"]) == ("0", "0", "1")
@@ -76,12 +76,12 @@ def test_the_wave_mixes_long_prompts_and_a_shared_prefix(wave):
 
 def test_percentile_interpolates_between_ranks():
     values = [float(v) for v in range(1, 101)]
-    assert bench.percentile(values, 50) == pytest.approx(50.5)
-    assert bench.percentile(values, 99) == pytest.approx(99.01)
-    assert bench.percentile([3.0, 1.0, 2.0], 100) == 3.0
-    assert bench.percentile([7.0], 99) == 7.0
+    assert side_runner.percentile(values, 50) == pytest.approx(50.5)
+    assert side_runner.percentile(values, 99) == pytest.approx(99.01)
+    assert side_runner.percentile([3.0, 1.0, 2.0], 100) == 3.0
+    assert side_runner.percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError):
-        bench.percentile([], 50)
+        side_runner.percentile([], 50)
 
 
 def test_modules_in_a_flashinfer_cache(tmp_path):
@@ -89,8 +89,8 @@ def test_modules_in_a_flashinfer_cache(tmp_path):
     for name, built in (("batch_prefill_fa3_x", True), ("half_built", False)):
         (ops / name).mkdir(parents=True)
         (ops / name / ("build.ninja" if not built else f"{name}.so")).write_text("")
-    assert bench.modules_in_cache(tmp_path) == ["batch_prefill_fa3_x"]
-    assert bench.modules_in_cache(tmp_path / "nothing") == []
+    assert side_runner.modules_in_cache(tmp_path) == ["batch_prefill_fa3_x"]
+    assert side_runner.modules_in_cache(tmp_path / "nothing") == []
 
 
 def test_mapped_modules_reads_proc_maps():
@@ -158,7 +158,7 @@ def test_summary_sets_every_side_beside_stock():
 
 
 def test_owners_must_match_the_side():
-    stock, fi, custom = bench.parse_sides("stock,FLASHINFER,CUSTOM")
+    stock, fi, custom = side_runner.parse_sides("stock,FLASHINFER,CUSTOM")
     assert bench.check_owners(stock, [report([], owners=())]) is None
     assert "owned by ['FLASH_ATTN']" in bench.check_owners(fi, [report([], owners=("FLASH_ATTN",))])
     assert bench.check_owners(fi, [report([])]) is None
@@ -228,7 +228,7 @@ def test_a_side_out_of_time_is_killed_with_its_engine_process(tmp_path):
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
         "print(p.pid, flush=True); time.sleep(120)"
     )
-    assert bench.run_child([sys.executable, "-c", child], dict(), log, 3.0) is None
+    assert side_runner.run_child([sys.executable, "-c", child], dict(), log, 3.0) is None
     grandchild = int(log.read_text().split()[0])
     # A SIGKILL is delivered asynchronously: on a busy machine the process may still be scheduled for
     # a moment. Killed means gone or a zombie within seconds; a survivor sleeps for two minutes.
@@ -243,4 +243,4 @@ def test_a_side_out_of_time_is_killed_with_its_engine_process(tmp_path):
             break
         time.sleep(0.1)
     assert status in ("gone", psutil.STATUS_ZOMBIE), f"the engine process outlived its side: {status}"
-    assert bench.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(), log, 30.0) == 3
+    assert side_runner.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(), log, 30.0) == 3

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench import serve_load as bench
+from scripts.bench import sides as side_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "scripts.bench", "serve_load"]  # run from ROOT
@@ -213,7 +214,7 @@ def test_a_side_is_what_its_server_log_shows():
     bridge = "INFO [selection.py:9] Using FLASH_ATTN MLA prefill backend (mla-prefill-ext, from ..."
     native = "(EngineCore pid=1) INFO [mla_attention.py:2267] Using FlashAttention prefill for MLA"
     auto = "INFO [selector.py:190] Using FLASH_ATTN MLA prefill backend (auto-selected; ...)."
-    stock, fi, fa = bench.parse_sides("stock,FLASHINFER,FLASH_ATTN")
+    stock, fi, fa = side_runner.parse_sides("stock,FLASHINFER,FLASH_ATTN")
     assert bench.claim_problem(stock, native) is None
     assert bench.claim_problem(fi, patch) is None and bench.claim_problem(fa, bridge) is None
     assert "selecting ['FLASHINFER']" in bench.claim_problem(stock, patch)
