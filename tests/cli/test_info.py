@@ -140,7 +140,12 @@ def test_info_says_whether_the_shared_prefix_path_is_on_and_why(slow: dict[str, 
         assert "the shared-prefix path is off" not in on[-1], on[-1]
         # Each vLLM internal it reads, with its outcome: none fails on a runner vLLM picks here.
         table = on[on.index(lines[0]) + 2 : on.index(lines[0]) + 2 + len(_needs_here())]
-        assert len(table) == len(_needs_here()) and not [row for row in table if "PROBLEM" in row], table
+        problems = [row for row in table if "PROBLEM" in row]
+        assert len(table) == len(_needs_here()), table
+        # vLLM 0.25 may run a model on its V2 runner, whose builders get no req_idx: that row, said.
+        line = versions.release(versions.installed_vllm_version())[:2]
+        expected = ["plan, V2: vllm.v1.attention.backend.CommonAttentionMetadata"] if line == (0, 25) else []
+        assert [next((e for e in expected if e in row), row) for row in problems] == expected, problems
     else:
         assert lines and lines[0].startswith("shared-prefix path: off: "), on
         assert "the shared-prefix path is off (see its line)" in on[-1], on[-1]
