@@ -8,7 +8,6 @@ import random
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +73,3 @@ def seeded_tokens(seed: str, length: int, vocab: int) -> list[int]:
     process (str hashes are salted, ``Random(str)`` is not)."""
     rng = random.Random(seed)
     return [rng.randrange(2, vocab) for _ in range(length)]
-
-
-def failure(e: BaseException) -> str:
-    """The exception's first line, and where it was raised: the innermost frame of a library."""
-    text = str(e).strip().splitlines()
-    frames = traceback.extract_tb(e.__traceback__)
-    where = next(
-        (f for f in reversed(frames) if "site-packages" in f.filename), frames[-1] if frames else None
-    )
-    at = ""
-    if where is not None:
-        short = where.filename.split("site-packages/")[-1]
-        at = f" (raised in {short}:{where.lineno}, {where.name})"
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300] + at

@@ -35,10 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.platforms.interface import DeviceCapability
 
     log = Path(args.kernel_log)
-    raw = (
-        gzip.decompress(log.read_bytes()) if log.suffix == ".gz" else log.read_bytes()
-    )  # recorded logs are gzipped
-    text = raw.decode().splitlines()
+    raw = log.read_bytes()
+    text = (gzip.decompress(raw) if log.suffix == ".gz" else raw).decode().splitlines()  # recorded: gzipped
     out = {
         "command": " ".join(sys.argv),
         "environment": {"note": "rows measured by the run that printed them; see its log"},

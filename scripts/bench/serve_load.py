@@ -167,16 +167,13 @@ async def send_load(url: str, prompts: list[list[int]], load: Load, limit_s: flo
                     body = await response.json(content_type=None)
                     record["status"] = response.status
                     if response.status == 200:
-                        record["prompt_tokens"] = body["usage"]["prompt_tokens"]
-                        record["completion_tokens"] = body["usage"]["completion_tokens"]
+                        tokens = ("prompt_tokens", "completion_tokens")
+                        record.update({k: body["usage"][k] for k in tokens})
                     else:
                         record["error"] = str(body)[:300]
             except Exception as e:  # a refused or dropped connection, a timeout: an error, counted
-                record["status"] = None
-                record["error"] = f"{type(e).__name__}: {e}"[:300]
-            record["sent_s"] = sent - origin
-            record["latency_s"] = time.perf_counter() - sent
-            results[i] = record
+                record.update(status=None, error=f"{type(e).__name__}: {e}"[:300])
+            results[i] = {**record, "sent_s": sent - origin, "latency_s": time.perf_counter() - sent}
 
     connector = aiohttp.TCPConnector(limit=load.clients)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

@@ -45,10 +45,8 @@ def parse_sides(text: str, warm_cache_given: bool = False) -> list[Side]:
         elif label.endswith(WARM_SUFFIX):
             backend = label[: -len(WARM_SUFFIX)].upper()
             if not warm_cache_given and not any(s.backend == backend and not s.warm for s in sides):
-                raise ValueError(
-                    f"side {label!r} reuses the FlashInfer cache of an earlier side {backend!r}: "
-                    "list that side first, or give --warm-cache DIR"
-                )
+                earlier = f"reuses the FlashInfer cache of an earlier side {backend!r}"
+                raise ValueError(f"side {label!r} {earlier}: list that side first, or give --warm-cache DIR")
             side = Side(f"{backend}{WARM_SUFFIX}", backend, warm=True)
         else:
             side = Side(label.upper(), label.upper())

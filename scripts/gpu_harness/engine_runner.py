@@ -498,11 +498,9 @@ def main() -> int:
             args.model_dir = ensure_checkpoint(args.model_dir or default_checkpoint_dir())
             record["model_dir"] = str(args.model_dir)
         record["weights"] = args.weights
-        record.update(run(args))
-        record["ok"] = True
+        record.update(run(args), ok=True)
     except Exception as e:  # the failure itself is the result for startup-error scenarios
-        record["ok"] = False
-        record["error"] = f"{type(e).__name__}: {e}"
+        record.update(ok=False, error=f"{type(e).__name__}: {e}")
         traceback.print_exc()
     not_forked = "left no evidence from the engine process (was the engine core spawned instead of forked?)"
     if args.context_chunk_tokens:
@@ -519,11 +517,8 @@ def main() -> int:
         attach_evidence(record, "shared_context", evidence, failure, required=bool(args.shared_mutant))
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
-        record["custom_calls"] = {
-            "lines": len(calls),
-            "pids": sorted({int(pid) for pid, _ in calls}),
-            "kinds": sorted({what.split()[0] for _, what in calls}),
-        }
+        pids, kinds = sorted({int(pid) for pid, _ in calls}), sorted({what.split()[0] for _, what in calls})
+        record["custom_calls"] = {"lines": len(calls), "pids": pids, "kinds": kinds}
     Path(args.out).write_text(json.dumps(record, indent=1))
     return 0
 

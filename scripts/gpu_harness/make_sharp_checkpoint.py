@@ -62,14 +62,10 @@ def vllm_checkpoint_shapes(hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, t
             out[name] = shape
             continue
         prefix, which = fused.groups()
-        num_experts = shape[0]
-        for e in range(num_experts):
-            if which == "gate_up_proj":
-                rows = shape[1] // 2
-                out[f"{prefix}.{e}.gate_proj.weight"] = (rows, shape[2])
-                out[f"{prefix}.{e}.up_proj.weight"] = (rows, shape[2])
-            else:
-                out[f"{prefix}.{e}.down_proj.weight"] = (shape[1], shape[2])
+        parts = {"gate_proj": shape[1] // 2, "up_proj": shape[1] // 2} if which == "gate_up_proj" else None
+        for e in range(shape[0]):  # each expert
+            for part, rows in (parts or {"down_proj": shape[1]}).items():
+                out[f"{prefix}.{e}.{part}.weight"] = (rows, shape[2])
     return out
 
 
@@ -86,8 +82,7 @@ def make_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tensors = {}
     for name in sorted(shapes):
-        std = std_of(name)
-        if std is None:
+        if (std := std_of(name)) is None:  # a norm
             t = torch.ones(shapes[name], dtype=torch.float32)
         else:
             t = torch.randn(shapes[name], generator=gen, dtype=torch.float32) * std

@@ -113,17 +113,16 @@ def identical(candidate: Sequence[dict], reference: Sequence[dict], label: str =
             bad = [j for j in range(same) if list(ctop[j]) != list(rtop[j])]
             if bad:
                 problems.append(f"prompt {i}: top-2 logprobs differ at position {bad[0]}")
-    passed = not problems
-    reason = "tokens equal, logprobs bit-equal" if passed else "; ".join(problems)
-    return _finish(Verdict("identical", passed, max_diff, flips, reason, positions, None, label))
+    reason = "; ".join(problems) or "tokens equal, logprobs bit-equal"
+    return _finish(Verdict("identical", not problems, max_diff, flips, reason, positions, None, label))
 
 
 def _gap(record: dict, position: int) -> float | None:
+    """Stock's top-1 minus top-2 logprob at ``position``, where the runner recorded both."""
     top2 = record.get("top2")
     if not top2 or position >= len(top2) or len(top2[position]) < 2:
         return None
-    first, second = top2[position][0], top2[position][1]
-    return float(first) - float(second)
+    return float(top2[position][0]) - float(top2[position][1])
 
 
 def _runner_up(record: dict, position: int) -> int | None:
@@ -183,13 +182,9 @@ def bf16_noise(
                 problems.append(f"prompt {i}: {len(ct)} tokens against {len(rt)} without a flip")
     if max_diff > bound:
         problems.insert(0, f"max |logprob diff| {max_diff:.4g} at {worst} exceeds the bound {bound:g}")
-    passed = not problems
-    if passed:
-        within = "bf16 noise" if kind == "bf16_noise" else f"the bound ({kind})"
-        reason = f"within {within} (largest difference at {worst or 'none'})"
-    else:
-        reason = "; ".join(problems)
-    return _finish(Verdict(kind, passed, max_diff, flips, reason, positions, bound, label))
+    within = "bf16 noise" if kind == "bf16_noise" else f"the bound ({kind})"
+    reason = "; ".join(problems) or f"within {within} (largest difference at {worst or 'none'})"
+    return _finish(Verdict(kind, not problems, max_diff, flips, reason, positions, bound, label))
 
 
 def kernel_family_bound(calibration: Verdict, headroom: float = KERNEL_FAMILY_HEADROOM) -> float:
