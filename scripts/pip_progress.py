@@ -1,10 +1,8 @@
 """Shows pip's download progress on one terminal line and writes the rest of its output to a log.
 
-Usage: ``pip install --progress-bar raw ... 2>&1 | python scripts/pip_progress.py LOG``.
-pip reports progress as ``Progress <bytes> of <total>`` lines; on a terminal they become one
-status line, rewritten in place (what pip is collecting, downloading with its megabytes, or
-installing), cleared at the end. Every other line goes to LOG (appended), so that a full
-install's hundreds of lines stay out of the way. Off a terminal nothing is shown.
+Usage: ``pip install --progress-bar raw ... 2>&1 | python scripts/pip_progress.py LOG``. On a terminal
+pip's ``Progress <bytes> of <total>`` lines become one status line (collecting, downloading with its
+megabytes, installing), cleared at the end; every other line is appended to LOG.
 """
 
 from __future__ import annotations

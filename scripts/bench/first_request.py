@@ -122,12 +122,11 @@ def worker_report(worker: Any) -> dict[str, Any]:
             owners.add(backend.get_name() if backend is not None else "vLLM's own")
     warmup = _sys.modules.get("mla_prefill_ext.backends.warmup")
     warmups = [record._asdict() for record in warmup.completed()] if warmup is not None else []
-    chunk_plans = []  # FLASHINFER's per-builder context-chunk wrappers: one per chunk a step planned
-    for groups in getattr(worker.model_runner, "attn_groups", []):
-        for group in groups:
-            for builder in getattr(group, "metadata_builders", []):
-                for step_runner in (getattr(builder, "_mla_prefill_runners", None) or {}).values():
-                    chunk_plans.append(len(getattr(step_runner, "_chunks", [])))
+    # FLASHINFER's per-builder context-chunk wrappers: one per chunk a step planned.
+    groups = [g for gs in getattr(worker.model_runner, "attn_groups", []) for g in gs]
+    builders = [b for g in groups for b in getattr(g, "metadata_builders", [])]
+    steps = [r for b in builders for r in (getattr(b, "_mla_prefill_runners", None) or {}).values()]
+    chunk_plans = [len(getattr(step, "_chunks", [])) for step in steps]
     env = _sys.modules.get("flashinfer.jit.env")
     modules, misses = [], {}
     if env is not None:

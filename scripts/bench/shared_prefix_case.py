@@ -1,7 +1,5 @@
-"""The layer benchmark's requests: a paged latent cache where requests share a cached prefix (GPU or CPU).
-
-DeepSeek-R1's MLA as one GPU of TP=8 sees it, bf16, block size 64 (``scripts/bench/shared_prefix_layer.py``
-times it; ``shared_prefix_decode_path.py`` runs vLLM's decode path over it).
+"""The layer benchmark's requests: a paged latent cache where requests share a cached prefix (GPU or CPU),
+DeepSeek-R1's MLA as one GPU of TP=8 sees it, bf16, block size 64.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The router's prediction per point and the crossover against what the layer benchmark measured.
-
-``predicted_cost``: ``mla_prefill_ext.hosts.core.shared_prefix.routing.route_cost`` (predicted time,
-FLOPs over the H200 rates) over the groups the step planner forms; ``crossover``: per point the
-fastest side and measured ``absorbed / shared`` next to the prediction, and whether the router's
-decision agrees with the measurement. Used by ``scripts/bench/shared_prefix_layer.py``.
+"""The router's prediction per point (``routing.route_cost`` over the groups the step planner forms) and
+the crossover: per point the fastest side, measured ``absorbed / shared`` next to the prediction, and
+whether the router decided as measured. Used by shared_prefix_layer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""vLLM's decode (absorbed) path for the layer benchmark's requests: FLASH_ATTN_MLA on Hopper, one layer.
-
-What vLLM 0.20.2 runs for a request with cached context and at most 512 new tokens: the
-``q_nope x W_UK_T`` absorption, ``FlashAttnMLAImpl.forward_mqa``'s FA3 call over the paged latent
-cache (``q_v``, causal), then ``_v_up_proj``. Used by ``scripts/bench/shared_prefix_layer.py``.
+"""vLLM 0.20.2's decode (absorbed) path, FLASH_ATTN_MLA on Hopper, for the layer benchmark's requests:
+the ``q_nope x W_UK_T`` absorption, ``forward_mqa``'s FA3 call over the paged latent cache, ``_v_up_proj``.
 """
 
 from __future__ import annotations

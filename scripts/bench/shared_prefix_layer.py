@@ -151,9 +151,7 @@ def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> di
     out = {}
     if "vllm" in sides or "shared" in sides:
         ref_o, ref_l = whole_reference(case, decode=False)
-        for name in ("vllm", "shared"):
-            if name not in sides:
-                continue
+        for name in (n for n in ("vllm", "shared") if n in sides):
             _, run = prepare(case, cls, name == "shared", device)
             o, lse = run()
             out[f"{name}_out_err"] = (o.double() - ref_o.to(o.device)).abs().max().item()

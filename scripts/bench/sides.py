@@ -1,9 +1,7 @@
-"""The runner the side-by-side benchmarks share: sides, their caches, their processes, their tables.
+"""The runner the side-by-side benchmarks share (first_request, serve_load): sides, caches, processes, tables.
 
-A side is one engine (or server) lifetime in a process of its own, alone on the GPU: ``stock``
-(the add-on disabled), ``NAME`` (``MLA_PREFILL_BACKEND=NAME``) or ``NAME-warm`` (as ``NAME``, with
-the FlashInfer cache an earlier side filled). first_request and serve_load run their sides
-through this module.
+A side is one engine (or server) lifetime in a process of its own, alone on the GPU: ``stock`` (the
+add-on disabled), ``NAME`` (``MLA_PREFILL_BACKEND=NAME``) or ``NAME-warm`` (with a filled FlashInfer cache).
 """
 
 from __future__ import annotations

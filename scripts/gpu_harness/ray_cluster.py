@@ -60,11 +60,11 @@ def main() -> int:
     s.add_argument("--num-gpus", type=int, default=2)
     sub.add_parser("stop")
     args = parser.parse_args()
-    if args.command == "start":
-        site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        print(start([*args.pythonpath, *site, str(ROOT / "examples"), str(ROOT)], args.num_gpus))
-    else:
+    if args.command == "stop":
         stop()
+        return 0
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    print(start([*args.pythonpath, *site, str(ROOT / "examples"), str(ROOT)], args.num_gpus))
     return 0
 
 

@@ -137,9 +137,7 @@ def ensure_checkpoint(model_dir: Path) -> None:
     if make_sharp_checkpoint.is_complete(model_dir, SHARP_SEED, make_sharp_checkpoint.DEFAULT_CONFIG):
         return
     stamp(f"generating the sharp checkpoint in {model_dir}")
-    subprocess.run(
-        [sys.executable, str(MAKE_CHECKPOINT), str(model_dir), "--seed", str(SHARP_SEED)], check=True
-    )
+    subprocess.run([sys.executable, MAKE_CHECKPOINT, model_dir, "--seed", str(SHARP_SEED)], check=True)
 
 
 def command(s: Scenario, results: Path, bench: bool, model_dir: Path | None = None) -> list[str]:

@@ -2,12 +2,10 @@
 
     python -m scripts.gpu_harness.shared_pairs DIR [DIR ...]
 
-For the ``shared`` prompt set (tests/gpu/test_shared_prefix.py): stock against stock within each group of
-lifetimes (vLLM's decode path for short extends, as shipped; its prefill path, ``--decode-threshold 1``),
-the lifetime bound each group gives, every add-on or mutant run against every stock lifetime under that
-bound (``verdict.lifetime_noise``), and vLLM's two paths against each other (``bf16_noise``). One line per
-pair: largest logprob difference, flips, flips the verdict refuses, flips at the first generated token.
-Reads the recorded results only (no GPU).
+Stock against stock within each group of lifetimes (vLLM's decode path for short extends; its prefill
+path), each group's lifetime bound, every add-on or mutant run against every stock lifetime under it
+(``verdict.lifetime_noise``), and vLLM's two paths against each other: one line per pair (largest
+logprob difference, flips, refused flips, flips at the first token). Reads recorded results only.
 """
 
 from __future__ import annotations
@@ -28,13 +26,10 @@ CANDIDATES += ("mutant-shared-segment-scale",)
 
 
 def _line(label: str, v: verdict.Verdict) -> str:
-    refused = sum(not f.allowed for f in v.flips)
-    first = sum(f.position == 0 for f in v.flips)
-    return (
-        f"{label}: {'pass' if v.passed else 'FAIL'} (bound {v.bound:.3g}), "
-        f"max |logprob diff| {v.max_diff:.4g}, {len(v.flips)} flip(s), {refused} refused, "
-        f"{first} at the first token"
-    )
+    refused, first = sum(not f.allowed for f in v.flips), sum(f.position == 0 for f in v.flips)
+    head = f"{label}: {'pass' if v.passed else 'FAIL'} (bound {v.bound:.3g})"
+    head += f", max |logprob diff| {v.max_diff:.4g}"
+    return f"{head}, {len(v.flips)} flip(s), {refused} refused, {first} at the first token"
 
 
 def pair_lines(folders: list[Path]) -> list[str]:
