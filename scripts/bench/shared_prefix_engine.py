@@ -11,7 +11,8 @@ Sides, all alive at once in this driver process on one GPU (start-up and checks 
 (``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``); ``stock:2``, ``NAME:noshare:3``, ...: another lifetime of
 that configuration; and sides
 without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
-paused there for them (the add-on's ``switch.pause`` through ``collective_rpc``, outside the timing, one GPU),
+paused there for them (``path_parts.pause`` in the worker through ``collective_rpc``, outside the timing,
+one GPU),
 ``NAME:pause-route+hits`` those parts only (of plan, route, hashes, hits, gather; the plan's pause takes
 routing with it, the hashes' the gathering): the path on and off in one engine lifetime, where two
 lifetimes of one engine can differ by more than what is measured; each side on a shared engine gets fresh
