@@ -72,5 +72,5 @@ def make_case(requests: int, prefix: int, private: int, new: int, device: Any, s
     extra = int(decode.max()) + 1 - blocks
     cache = torch.cat([cache, torch.randn(max(extra, 0), BLOCK_SIZE, latent, generator=gen)])
     loc = torch.arange(0, requests * new + 1, new, dtype=torch.int32)
-    case = dict(table=table, context_lens=context_lens, loc=loc, q=q, w=w, decode_table=decode)
+    case = dict(table=table, context_lens=context_lens, loc=loc, q=q, w=w, decode_table=decode, prefix=prefix)
     return {**case, "cache": cache.to(device, torch.bfloat16), "seq_lens": [c + new for c in context_lens]}

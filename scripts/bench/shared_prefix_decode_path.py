@@ -1,5 +1,7 @@
 """vLLM 0.20.2's decode (absorbed) path, FLASH_ATTN_MLA on Hopper, for the layer benchmark's requests:
-the ``q_nope x W_UK_T`` absorption, ``forward_mqa``'s FA3 call over the paged latent cache, ``_v_up_proj``.
+the ``q_nope x W_UK_T`` absorption, ``forward_mqa``'s FA3 call over the paged latent cache, ``_v_up_proj``;
+and the shared-prefix decode candidate: the same absorption, one FA3 call of every request's queries over
+the shared prefix's pages, one over each request's own pages, vLLM's LSE merge.
 """
 
 from __future__ import annotations
@@ -105,6 +107,55 @@ def prepare_absorbed(
         torch.bmm(q_nope, w_uk_t, out=ql_nope)
         ql_nope = ql_nope.transpose(0, 1)
         v_up_proj(attention(q=q_pe, q_v=ql_nope, **step), w_uv, output)  # FlashAttnMLAImpl.forward_mqa
+        return output
+
+    return run
+
+
+def prepare_shared_absorbed(
+    case: dict, device: Any, attention: Callable | None = None, merge: Callable | None = None
+) -> Callable[[], Any]:
+    """The shared-prefix decode candidate for the case's requests on one layer: [T, H x 128].
+
+    Every query sits after the whole shared prefix, so one non-causal call of all the requests' queries
+    (one sequence) reads the prefix's pages once; a causal call reads each request's own pages (private
+    context and new tokens); ``merge_attn_states`` combines the two by their LSEs. Metadata is built once
+    (fixed shapes, as a captured CUDA graph needs). ``attention``/``merge``: reference kernels on a CPU.
+    """
+    import torch
+
+    if attention is None:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states as merge
+        from vllm.vllm_flash_attn import flash_attn_varlen_func as attention
+    d = R1_TP8
+    heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
+    w_uk_t, w_uv = absorbed_weights(case["w"])
+    cache, q, loc, table = case["cache"], case["q"], case["loc"], case["decode_table"]
+    prefix, pages = case["prefix"], case["prefix"] // BLOCK_SIZE
+    assert pages > 0 and prefix % BLOCK_SIZE == 0, "the shared prefix must fill whole pages"
+    tokens = q.shape[0]
+    own_lens = [n - prefix for n in case["seq_lens"]]
+    i32 = dict(dtype=torch.int32, device=device)
+    common = dict(k=cache[..., rank:].unsqueeze(-2), v=cache[..., :rank].unsqueeze(-2), fa_version=3)
+    common.update(softmax_scale=(nope + rope) ** -0.5, return_softmax_lse=True, num_splits=0)
+    shared = dict(
+        block_table=table[:1, :pages].contiguous().to(device), seqused_k=torch.tensor([prefix], **i32)
+    )
+    shared.update(cu_seqlens_q=torch.tensor([0, tokens], **i32), max_seqlen_q=tokens, max_seqlen_k=prefix)
+    own = dict(block_table=table[:, pages:].contiguous().to(device), seqused_k=torch.tensor(own_lens, **i32))
+    own.update(
+        cu_seqlens_q=loc.to(device), max_seqlen_q=int((loc[1:] - loc[:-1]).max()), max_seqlen_k=max(own_lens)
+    )
+    latent = torch.empty(tokens, heads, rank, dtype=q.dtype, device=q.device)
+    output = torch.empty(tokens, heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
+
+    def run() -> torch.Tensor:
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)
+        prefix_out, prefix_lse = attention(q=q_pe, q_v=ql_nope, causal=False, **shared, **common)
+        own_out, own_lse = attention(q=q_pe, q_v=ql_nope, causal=True, **own, **common)
+        merge(latent, prefix_out, prefix_lse, own_out, own_lse)
+        v_up_proj(latent, w_uv, output)
         return output
 
     return run

@@ -2,7 +2,7 @@
 """One MLA layer's attention over cached context: vLLM's prefill plan, the shared plan, its decode path (GPU).
 
     python -m scripts.bench shared_prefix_layer [--backend FLASH_ATTN] [--requests 16] [--prefix 32768]
-        [--private 0] [--private-only] [--new 32,128,512,1024] [--sides vllm,shared,absorbed]
+        [--private 0] [--private-only] [--new 32,128,512,1024] [--sides vllm,shared,absorbed,shared_absorbed]
         [--num-splits 0] [--repeats 10] [--json out.json]
 
 DeepSeek-R1's MLA as one GPU of TP=8 sees it (16 heads), bf16, block size 64, vLLM's 64k-row context
@@ -13,7 +13,9 @@ passes), ``shared`` (the prefix gathered and up-projected once, one attention of
 over it, then each private context), both through ``shared_prefix.execute.compute_context`` with the
 same backend, context part only; ``absorbed`` (vLLM's decode path for the same requests: the W_UK bmm,
 FA3's paged call as ``FlashAttnMLAImpl.forward_mqa`` makes it, the W_UV bmm; ``--num-splits``: the
-builder's ``max_num_splits``), which also covers the new tokens' own attention. Medians of
+builder's ``max_num_splits``), which also covers the new tokens' own attention; ``shared_absorbed`` (the
+shared-prefix decode candidate: the same absorption, one call of every request's queries over the prefix's
+pages, one over each request's own pages, vLLM's LSE merge; ``--new 1`` is a decode step). Medians of
 ``--repeats`` CUDA-event timings after warm-up (``plan_ms``: the planning, not in them); the two
 plans' outputs compared, and a small case against float64. Per point: the fastest side and the
 router's time model (``routing.route_cost``) next to the measured ``absorbed_ms / shared_ms``, and
@@ -31,8 +33,9 @@ from typing import Any
 from . import common
 from .shared_prefix_case import BLOCK_SIZE, R1_TP8, make_case
 from .shared_prefix_crossover import SIDES, crossover, crossover_lines, predicted_cost
-from .shared_prefix_decode_path import prepare_absorbed
+from .shared_prefix_decode_path import prepare_absorbed, prepare_shared_absorbed
 
+DECODE_SIDES = ("absorbed", "shared_absorbed")  # the decode path and its shared-prefix candidate
 WORKSPACE_ROWS = 65536  # vLLM 0.20's cap on the context workspace (min(max(8 x max_model_len, ...), 64k))
 
 
@@ -40,8 +43,8 @@ def parse_sides(text: str) -> tuple[str, ...]:
     """``--sides``: some of vllm, shared, absorbed, comma-separated, each once (run in that order)."""
     sides = tuple(s.strip().lower() for s in text.split(","))
     for side in sides:
-        if side not in SIDES:
-            raise ValueError(f"unknown side {side!r} (sides: {', '.join(SIDES)})")
+        if side not in (*SIDES, *DECODE_SIDES):
+            raise ValueError(f"unknown side {side!r} (sides: {', '.join((*SIDES, DECODE_SIDES[1]))})")
     if len(set(sides)) != len(sides):
         raise ValueError(f"a side is listed twice in {text!r}")
     return sides
@@ -156,10 +159,10 @@ def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> di
             o, lse = run()
             out[f"{name}_out_err"] = (o.double() - ref_o.to(o.device)).abs().max().item()
             out[f"{name}_lse_err"] = (lse.double() - ref_l.to(lse.device)).abs().max().item()
-    if "absorbed" in sides:
+    for name in (n for n in DECODE_SIDES if n in sides):
         ref_o, _ = whole_reference(case, decode=True)
-        o = prepare_absorbed(case, device)()
-        out["absorbed_out_err"] = (o.double().view(ref_o.shape) - ref_o.to(o.device)).abs().max().item()
+        o = (prepare_absorbed if name == "absorbed" else prepare_shared_absorbed)(case, device)()
+        out[f"{name}_out_err"] = (o.double().view(ref_o.shape) - ref_o.to(o.device)).abs().max().item()
     return out
 
 
@@ -172,9 +175,11 @@ def point_row(new: int, times: dict, plan_ms: float | None, diffs: dict, predict
     if plan_ms is not None:
         row["plan_ms"] = plan_ms
     row.update(diffs)
+    if "shared_absorbed" in times:
+        row["shared_absorbed_ms"] = times["shared_absorbed"]
     if "absorbed" in times:
         row["absorbed_ms"] = times["absorbed"]
-        for side in ("shared", "vllm"):
+        for side in ("shared", "vllm", "shared_absorbed"):
             if side in times:
                 row[f"absorbed_over_{side}"] = times["absorbed"] / times[side]
     row.update(prediction)
@@ -189,7 +194,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--private", type=int, default=0)
     parser.add_argument("--private-only", action="store_true", help="no shared prefix: only --private each")
     parser.add_argument("--new", default="32,128,512,1024")
-    parser.add_argument("--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed")
+    parser.add_argument(
+        "--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed,shared_absorbed"
+    )
     parser.add_argument("--num-splits", type=int, default=0, help="the absorbed call's max_num_splits")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the results here")
@@ -226,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     header = ["N", *(f"{s} ms" for s in sides)]
     if "vllm" in sides and "shared" in sides:
         header += ["ratio", "plan ms", "max|dout|", "max|dlse|"]
-    header += [f"absorbed/{s}" for s in ("shared", "vllm") if "absorbed" in sides and s in sides]
+    header += [
+        f"absorbed/{s}" for s in ("shared", "vllm", "shared_absorbed") if "absorbed" in sides and s in sides
+    ]
+    header += ["max|ddecode|"] if set(DECODE_SIDES) <= set(sides) else []
     print(" ".join(f"{h:>12}" for h in header))
     rows = []
     for new in map(int, args.new.split(",")):
@@ -235,26 +245,33 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             if side == "absorbed":
                 run = prepare_absorbed(case, device, args.num_splits)
+            elif side == "shared_absorbed":
+                run = prepare_shared_absorbed(case, device)
             else:
                 t0 = time.perf_counter()
                 _, run = prepare(case, cls, side == "shared", device)
                 if side == "shared":
                     plan_ms = (time.perf_counter() - t0) * 1e3
             times[side] = timed(run, args.repeats)
-            if side != "absorbed":
-                outs[side] = run()
+            outs[side] = run()
         diffs = {}
         if "vllm" in outs and "shared" in outs:
             (o_v, l_v), (o_s, l_s) = outs["vllm"], outs["shared"]
             diffs["max_out_diff"] = (o_v.float() - o_s.float()).abs().max().item()
             diffs["max_lse_diff"] = (l_v - l_s).abs().max().item()
+        if "absorbed" in outs and "shared_absorbed" in outs:  # the candidate against vLLM's decode
+            diffs["decode_max_out_diff"] = (
+                (outs["absorbed"].float() - outs["shared_absorbed"].float()).abs().max().item()
+            )
         row = point_row(new, times, plan_ms, diffs, predicted_cost(case["table"], case["context_lens"], new))
         rows.append(row)
         cells = [str(new), *(f"{times[s]:.3f}" for s in sides)]
-        if diffs:
+        if "max_out_diff" in diffs:
             cells += [f"{row['ratio']:.2f}x", f"{plan_ms:.2f}", f"{diffs['max_out_diff']:.4f}"]
             cells += [f"{diffs['max_lse_diff']:.4f}"]
-        cells += [f"{row[k]:.2f}x" for k in ("absorbed_over_shared", "absorbed_over_vllm") if k in row]
+        keys = ("absorbed_over_shared", "absorbed_over_vllm", "absorbed_over_shared_absorbed")
+        cells += [f"{row[k]:.2f}x" for k in keys if k in row]
+        cells += [f"{diffs['decode_max_out_diff']:.4f}"] if "decode_max_out_diff" in diffs else []
         print(" ".join(f"{c:>12}" for c in cells), flush=True)
         del case, outs
         torch.cuda.empty_cache()

@@ -62,7 +62,7 @@ def paged_latent_attention(calls, **kw):
     q, q_v, k, v = kw["q"], kw["q_v"], kw["k"][:, :, 0], kw["v"][:, :, 0]
     page = k.shape[1]
     cu, used, table = kw["cu_seqlens_q"].tolist(), kw["seqused_k"].tolist(), kw["block_table"]
-    outs = []
+    outs, lses = [], []
     for r, n in enumerate(used):
         pages = table[r, : -(-n // page)].long()
         kr, vr = (
@@ -76,7 +76,17 @@ def paged_latent_attention(calls, **kw):
             mask = torch.ones(lq, n, dtype=torch.bool).triu(n - lq + 1)
             s = s.masked_fill(mask[:, None, :], float("-inf"))
         outs.append(torch.softmax(s, dim=-1) @ vr)
-    return torch.cat(outs).to(q.dtype)
+        lses.append(torch.logsumexp(s, dim=-1).T)  # [H, Lq], natural log, as FA3 returns it
+    out = torch.cat(outs).to(q.dtype)
+    return (out, torch.cat(lses, dim=1).float()) if kw["return_softmax_lse"] else out
+
+
+def lse_merge(out, prefix_out, prefix_lse, own_out, own_lse):
+    """Float64 stand-in for vLLM's ``merge_attn_states``."""
+    wp, wo = prefix_lse.T.double()[..., None], own_lse.T.double()[..., None]
+    top = torch.maximum(wp, wo)
+    wp, wo = torch.exp(wp - top), torch.exp(wo - top)
+    out.copy_((prefix_out.double() * wp + own_out.double() * wo) / (wp + wo))
 
 
 @pytest.mark.parametrize("private", [200, 128])  # new tokens starting in a partly filled block, and not
@@ -93,6 +103,24 @@ def test_the_absorbed_side_is_attention_over_context_and_new_tokens(private):
     assert call["seqused_k"].tolist() == [256 + private + 40] * 3
     assert call["causal"] and call["fa_version"] == 3 and call["num_splits"] == 0
     assert call["q_v"].shape == (120, 16, 512) and call["q"].shape == (120, 16, 64)
+
+
+@pytest.mark.parametrize("private, new", [(0, 1), (200, 1), (128, 3)])
+def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_context_and_new_tokens(
+    private, new
+):
+    case = bench.make_case(4, 256, private, new, "cpu", seed=3)
+    calls = []
+    run = bench.prepare_shared_absorbed(
+        case, "cpu", attention=lambda **kw: paged_latent_attention(calls, **kw), merge=lse_merge
+    )
+    out = run().view(case["q"].shape[0], bench.R1_TP8["num_heads"], -1).double()
+    ref, _ = bench.whole_reference(case, decode=True)
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    shared, own = calls
+    assert shared["block_table"].tolist() == [list(range(4))] and shared["seqused_k"].tolist() == [256]
+    assert not shared["causal"] and shared["cu_seqlens_q"].tolist() == [0, 4 * new]  # one call, every query
+    assert own["causal"] and own["seqused_k"].tolist() == [private + new] * 4
 
 
 def test_the_decode_table_gives_each_request_its_own_new_blocks():
