@@ -19,6 +19,8 @@ the user asked for it by name.
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from typing import Any
 
 from mla_prefill_ext.hosts.core.platform import platform_reason
@@ -39,20 +41,53 @@ PREFILL_METHODS = (
 )
 
 
+class _ReachedVllm(BaseException):  # not an Exception: passes through an override's own handlers
+    """Raised by the probe's stand-ins for vLLM's prefill methods: an override called vLLM's own."""
+
+
+def _reached_vllm(*args: Any, **kwargs: Any) -> None:
+    raise _ReachedVllm
+
+
+def _reaches_vllm(method: Any) -> bool:
+    """Whether calling ``method`` (bound to a probe) with None for each required argument reaches vLLM's."""
+    params = inspect.signature(method).parameters.values()
+    required = [p for p in params if p.default is p.empty]
+    args = [None for p in required if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kwargs = {p.name: None for p in required if p.kind is p.KEYWORD_ONLY}
+    try:
+        method(*args, **kwargs)
+    except _ReachedVllm:
+        return True
+    except Exception:  # its own code failed on the empty arguments before reaching vLLM's
+        return False
+    return False
+
+
 @functools.cache
 def own_prefill_method(impl_cls: type, common_impl: type) -> str | None:
-    """The first prefill method ``impl_cls`` re-implements without delegating to vLLM's (or None)."""
-    for klass in impl_cls.__mro__:
-        if klass is common_impl:
-            break
+    """The first prefill method ``impl_cls`` overrides without delegating to vLLM's (or None).
+
+    Each override is called on a probe: an instance of ``impl_cls`` whose MRO has, just before
+    ``common_impl``, stand-ins for vLLM's prefill methods that raise. A thin override that calls
+    ``super()`` (TritonMLAImpl's) reaches them; one that runs its own kernel does not.
+    """
+    below = impl_cls.__mro__[: impl_cls.__mro__.index(common_impl)]
+    overridden = [name for name in PREFILL_METHODS if any(name in klass.__dict__ for klass in below)]
+    if not overridden:
+        return None
+    try:
+        stand_in = types.new_class("VllmPrefillStandIn", (common_impl,))
         for name in PREFILL_METHODS:
-            func = klass.__dict__.get(name)
-            code = getattr(func, "__code__", None)
-            if code is None:
-                continue
-            if "super" in code.co_names:  # a thin override that calls vLLM's own (TritonMLAImpl)
-                continue
-            return f"{klass.__qualname__}.{name}"
+            setattr(stand_in, name, _reached_vllm)
+        probe_cls = types.new_class("PrefillProbe", (impl_cls, stand_in))
+        probe = probe_cls.__new__(probe_cls)
+    except TypeError:  # no probe can be built for this class (its layout or metaclass): keep vLLM's
+        probe = None
+    for name in overridden:
+        if probe is None or not _reaches_vllm(getattr(probe, name)):
+            owner = next(klass for klass in below if name in klass.__dict__)
+            return f"{owner.__qualname__}.{name}"
     return None
 
 

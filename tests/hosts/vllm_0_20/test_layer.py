@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -133,6 +135,37 @@ def test_builder_holds_no_prefill_state_of_its_own(shim, clean_selection, model_
     for attr in ("_fi_prefill_main", "_global_hyperparameters", "cudnn_workspace", "_workspace_buffer"):
         assert not hasattr(builder, attr), attr
     assert builder._mla_prefill_layer_names == [layer.layer_name]
+
+
+def test_vllms_inits_take_their_prefill_choice_through_the_wrapped_ones(shim, clean_selection, model_dirs):
+    """The impl's and the builder's __init__ ask the three choice functions the patch wraps, by their
+    names in vLLM's module, and get False: so neither builds FlashInfer, cuDNN or TRT-LLM prefill state
+    (targets.py checks only their signatures)."""
+    from mla_prefill_ext.hosts.vllm_0_20.targets import PREFILL_CHOICE_FUNCTIONS
+
+    asked: list[tuple[str, bool]] = []
+
+    def spy(name: str) -> Any:
+        wrapper = getattr(shim, name)  # the patch's wrapper of vLLM's function
+
+        def ask() -> bool:
+            answer = wrapper()
+            asked.append((name, answer))
+            return answer
+
+        return ask
+
+    cfg = host.make_vllm_config(model_dirs["plain"])
+    with contextlib.ExitStack() as stack:
+        for name in PREFILL_CHOICE_FUNCTIONS:
+            stack.enter_context(mock.patch.object(shim, name, spy(name)))
+        layer = build(cfg, (10, 0))
+        by_impl = set(asked)
+        asked.clear()
+        make_builder(cfg, [layer], (10, 0))
+        by_builder = set(asked)
+    expected = {(name, False) for name in PREFILL_CHOICE_FUNCTIONS}
+    assert by_impl == expected and by_builder == expected
 
 
 def test_forward_mha_runs_through_the_layer_backend(shim, clean_selection, model_dirs):

@@ -32,6 +32,7 @@ def decision(name: str, impl_cls: type, explicit: bool) -> str | None:
 @pytest.mark.vllm_patch  # vLLM 0.20's MLACommonImpl prefill methods
 def test_impl_classes_with_their_own_prefill_are_recognised():
     from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+    from vllm.v1.attention.backends.mla.aiter_triton_mla import AiterTritonMLAImpl
     from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLAImpl
     from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
@@ -41,6 +42,11 @@ def test_impl_classes_with_their_own_prefill_are_recognised():
     assert (
         scope.own_prefill_method(AiterMLAImpl, MLACommonImpl)
         == "AiterMLAImpl._flash_attn_varlen_diff_headdims"
+    )
+    # A subclass of AiterMLAImpl whose override runs Triton's kernel, not its parent's nor vLLM's.
+    assert (
+        scope.own_prefill_method(AiterTritonMLAImpl, MLACommonImpl)
+        == "AiterTritonMLAImpl._flash_attn_varlen_diff_headdims"
     )
 
 

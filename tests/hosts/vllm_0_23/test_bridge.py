@@ -103,6 +103,19 @@ def test_a_native_choice_without_an_addon_choice_is_untouched(
         assert stock[1].__module__.startswith("vllm.")  # vLLM's own FLASH_ATTN
 
 
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "FLASHINFER"])
+def test_vllms_selector_serves_the_backend_attention_config_names(bridged, clean_selection, model_dirs, name):
+    """What the bridge hands to vLLM untouched (shape.py does not inspect it): vLLM's selector serves the
+    member attention_config.mla_prefill_backend names, or refuses it by name. Under a GPU's view: vLLM
+    ignores the choice where it knows no device capability (0.23-0.31) and on a CPU platform (0.29+)."""
+    with host.gpu_view((9, 0)):
+        kind, outcome = stock_outcome(bridged.selector, native_config(model_dirs["plain"], name))
+    if kind == "class":
+        assert outcome.get_name() == name and outcome.__module__.startswith("vllm."), outcome
+    else:  # its module does not import here, or it does not serve this device
+        assert kind == "ValueError" and outcome.startswith(f"Selected MLA prefill backend {name} "), outcome
+
+
 def test_an_invalid_overrides_variable_stops_a_native_choice_too(bridged, clean_selection, model_dirs):
     """vLLM's own attention_config choice does not run past a broken MLA_PREFILL_BACKEND_OVERRIDES."""
     from mla_prefill_ext import settings

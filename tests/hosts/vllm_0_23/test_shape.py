@@ -121,7 +121,6 @@ def test_vllms_registry_and_selector_pass_and_their_changes_are_named():
     enum, string_names = shape._check_registry(found.registry, problems)
     assert (enum, string_names) == (found.enum, found.string_names)
     assert shape._check_selector(found.selector, problems) is found.auto_takes_capability
-    assert shape._reads_native_knob(found.selector.get_mla_prefill_backend)
     assert problems == []
 
     empty = types.ModuleType("registry_without_enum")
@@ -129,7 +128,6 @@ def test_vllms_registry_and_selector_pass_and_their_changes_are_named():
     assert problems[-1].endswith("has no MLAPrefillBackendEnum (vLLM 0.23+ has both)")
     selector = types.ModuleType("selector_with_another_signature")
     selector.get_mla_prefill_backend = lambda vllm_config, device: None
-    assert not shape._reads_native_knob(selector.get_mla_prefill_backend)
     shape._check_selector(selector, problems)
     assert any("get_mla_prefill_backend takes ['vllm_config', 'device']" in p for p in problems)
     assert any("_auto_select_mla_prefill_backend takes None" in p for p in problems)
