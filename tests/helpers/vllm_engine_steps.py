@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from vllm_runner_objects import accepted, empty_input_batch, v2_apply, v2_gather, v2_on_cpu, v2_tables
+from vllm_runner_objects import (
+    accepted,
+    empty_input_batch,
+    unpinned,
+    v2_apply,
+    v2_gather,
+    v2_on_cpu,
+    v2_tables,
+)
 from vllm_scheduler_objects import engine_core_request, scheduler
 
 SAMPLED = 7  # the token every finished prefill or decode samples (both schedulers see the same)
@@ -188,7 +196,8 @@ class V1Rows:
         reorder_batch_to_split_decodes_and_prefills(batch, output, decode_threshold=decode_threshold)
         batch.refresh_metadata()  # the step's removals and additions taken (the next step's go on a new list)
         n = batch.num_reqs
-        batch.block_table.commit_block_table(n)
+        with unpinned():  # vLLM 0.33 pins the host rows it copies where its platform says so
+            batch.block_table.commit_block_table(n)
         return RunnerStep(batch.block_table[0].get_device_tensor(n), None, list(batch.req_ids[:n]))
 
 

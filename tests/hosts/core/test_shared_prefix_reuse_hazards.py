@@ -142,7 +142,7 @@ def life(request: pytest.FixtureRequest, clean_selection: pytest.MonkeyPatch, mo
 
 def held(seen: StepSeen, *request_ids: str) -> set[int]:
     """The blocks ``request_ids`` held in the step ``seen``."""
-    return {b for rid in request_ids for b in seen.rows[seen.req_ids.index(rid)]}
+    return {b for rid in request_ids for b in row(seen, rid)}
 
 
 def _members(seen: StepSeen, *request_ids: str) -> tuple[int, ...]:
@@ -179,3 +179,114 @@ def test_blocks_an_abort_freed_go_to_another_prefix_in_the_next_step(life):
     life.add("E1", P + tail(8))
     seen = life.step()
     assert seen.scheduled["new"]["E1"][1] == 2 * BS  # vLLM's: P's first two blocks are still cached
+
+
+def row(seen: StepSeen, request_id: str) -> list[int]:
+    """The request's blocks in the step ``seen`` (as vLLM's scheduler held them)."""
+    return seen.rows[seen.req_ids.index(request_id)]
+
+
+def context(seen: StepSeen, request_id: str) -> int:
+    """The request's cached tokens when the step began (new, resumed or running alike)."""
+    new, cached = seen.scheduled["new"], seen.scheduled["cached"]
+    return (new[request_id] if request_id in new else cached[request_id])[1]
+
+
+def status(life: Life, request_id: str) -> tuple[str, str]:
+    """The request's status in the add-on's scheduler and in stock vLLM's."""
+    return tuple(s.requests[request_id].status.name for s in (life.twins.ours, life.twins.stock))
+
+
+def test_blocks_a_preemption_freed_go_to_another_prefix_then_the_request_is_recomputed(life):
+    """Y1-Y3 (prefix Q) and X (prefix P, scheduled last) fill the pool; Y3's next block preempts X, and
+    in the next step Y1 takes a block of P that X held. X's lookup remembered P's six blocks; when it
+    is recomputed (with X2 over P beside it) it must get vLLM's hits: fewer of P's blocks."""
+    life.add("0P", P)
+    life.add("0Q", Q)
+    life.step()
+    life.add("Y1", Q + tail(1, 29), max_tokens=6)  # each Y needs a block on another step
+    life.add("Y2", Q + tail(2, 28), max_tokens=8)
+    life.add("Y3", Q + tail(3, 14), max_tokens=5)
+    life.add("X", P + tail(4, 10), max_tokens=4)
+    first = life.step()
+    p_blocks = set(row(first, "X")[:6])
+    for _ in range(3):  # decodes; in the third Y3 needs a block and vLLM preempts X
+        seen = life.step()
+    assert status(life, "X") == ("PREEMPTED", "PREEMPTED"), "X was not preempted"
+    assert "X" not in seen.scheduled["tokens"]
+    seen = life.step()  # the step after the preemption: a block of P goes to Y1
+    assert p_blocks & held(seen, "Y1"), "Y1 did not get a block of P that X held"
+    assert held(first, "X") - p_blocks, "X held a block of its own"
+    life.add("X2", P + tail(5, 10), max_tokens=2)
+    seen = life.step()
+    while "X" not in seen.scheduled["tokens"]:
+        seen = life.step()
+    hit = context(seen, "X") // BS
+    assert hit < 6, "X was lent P's sixth block"  # vLLM's lookup: 0.20 finds four of P's blocks, 0.34 five
+    assert seen.groups == [(_members(seen, "X", "X2"), row(seen, "X")[:hit])]
+    assert life.hits.checked and life.hits.off is None and life.hits.reused_hits > 0
+
+
+def test_a_prefix_block_evicted_and_cached_again_under_another_hash(life):
+    """A1 and A2 over P leave P's lookup remembered; 0R's prefill evicts P's last two blocks and fills
+    them with R's tokens (cached under R's hashes). E1 over P must get vLLM's hits: four blocks."""
+    life.add("0P", P)
+    life.step()
+    life.add("A1", P + tail(1))
+    life.add("A2", P + tail(2))  # lent A1's hits (the hits' first lend, compared with vLLM's)
+    life.step()
+    p_blocks = row(life.seen[-1], "A1")[:6]
+    assert life.hits.reused_hits == 6
+    life.add("0R", R + tail(3, 128))  # 14 full blocks: the free ones, A1's and A2's own, then P's last
+    seen = life.step()
+    taken = set(p_blocks) & held(seen, "0R")
+    assert taken == set(p_blocks[4:]), f"0R took {sorted(taken)} of P's blocks {p_blocks}"
+    pool = life.twins.stock.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is not None for b in taken), "not cached again under R's hashes"
+    life.add("E1", P + tail(4))
+    life.add("E2", P + tail(5))
+    seen = life.step()
+    # vLLM's: E1 finds P's first four blocks, E2 all six (E1 cached P's last two again, in new blocks)
+    assert (context(seen, "E1"), context(seen, "E2")) == (4 * BS, 6 * BS)
+    assert seen.groups == [(_members(seen, "E1", "E2"), p_blocks[:4])]
+    assert life.hits.checked and life.hits.off is None
+
+
+def test_a_request_id_used_again_with_another_prompt(life):
+    """A (aborted while running) and B (finished) come back under the same ids with prompts that
+    share only P's first two blocks with the old ones: their hashes and hits are vLLM's for the new
+    prompts, not the old prompts' under the same id."""
+    life.add("0P", P)
+    life.step()
+    life.add("A", P + tail(1), max_tokens=8)
+    life.add("B", P + tail(2))  # lent A's hits; finished after this step
+    p_blocks = row(life.step(), "A")[:6]
+    life.step()
+    life.abort("A")
+    head = 2 * BS
+    life.add("A", P[:head] + Q[head:] + tail(3))
+    life.add("B", P[:head] + R[head:] + tail(4))
+    seen = life.step()
+    assert seen.scheduled["finished"] >= {"A"} and {"A", "B"} <= set(seen.scheduled["new"])
+    assert context(seen, "A") == context(seen, "B") == head  # vLLM's: P's first two blocks
+    assert seen.groups == [(_members(seen, "A", "B"), p_blocks[:2])]
+    assert life.hasher.checked and life.hasher.off is None and life.hasher.reused_blocks > 0
+    assert life.hits.checked and life.hits.off is None
+
+
+def test_a_runner_row_taken_by_a_new_request_after_one_finished(life):
+    """A1 (prefix Q) finishes; C1 and C2 (prefix P, cached) come next step and one takes A1's runner
+    row (V1: its batch row; V2: its request slot), where A1's last block is left past C1's seven:
+    the rows the builder gets are the scheduler's and the plan groups C1 and C2 over P."""
+    life.add("0P", P)
+    life.step()
+    life.add("A1", Q + tail(1))  # eight blocks: one more than C1's
+    life.step()
+    a1_row = life.rows.slot("A1")
+    life.add("C1", P + tail(3, 10))
+    life.add("C2", P + tail(4, 10))
+    seen = life.step()
+    assert "A1" in seen.scheduled["finished"]
+    assert a1_row in {life.rows.slot("C1"), life.rows.slot("C2")}, "neither took A1's row"
+    assert row(seen, "C1")[:6] == row(seen, "C2")[:6]
+    assert seen.groups == [(_members(seen, "C1", "C2"), row(seen, "C1")[:6])]
