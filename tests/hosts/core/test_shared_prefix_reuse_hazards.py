@@ -279,10 +279,10 @@ def test_a_runner_row_taken_by_a_new_request_after_one_finished(life):
     row (V1: its batch row; V2: its request slot), where A1's last block is left past C1's seven:
     the rows the builder gets are the scheduler's and the plan groups C1 and C2 over P."""
     life.add("0P", P)
-    life.step()
-    life.add("A1", Q + tail(1))  # eight blocks: one more than C1's
+    life.add("A1", Q + tail(1), max_tokens=2)  # eight blocks (one more than C1's), the row's first
     life.step()
     a1_row = life.rows.slot("A1")
+    life.step()
     life.add("C1", P + tail(3, 10))
     life.add("C2", P + tail(4, 10))
     seen = life.step()
