@@ -43,8 +43,8 @@ def scheduler(vllm_config: Any, num_blocks: int, block_size: int) -> Any:
     )
 
 
-def engine_core_request(request_id: str, tokens: list[int]) -> Any:
-    """What vLLM's input thread decodes from the driver for a plain prompt (one output token)."""
+def engine_core_request(request_id: str, tokens: list[int], max_tokens: int = 1) -> Any:
+    """What vLLM's input thread decodes from the driver for a plain prompt (``max_tokens`` output tokens)."""
     import time
 
     from vllm import SamplingParams
@@ -54,7 +54,7 @@ def engine_core_request(request_id: str, tokens: list[int]) -> Any:
         request_id=request_id,
         prompt_token_ids=list(tokens),
         mm_features=None,
-        sampling_params=SamplingParams(max_tokens=1),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
         pooling_params=None,
         arrival_time=time.time(),
         lora_request=None,
