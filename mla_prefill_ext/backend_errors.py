@@ -37,10 +37,9 @@ def note_backend_error(error: BaseException, backend: Any, call: str, **tensors:
     """Add the note naming ``backend`` and ``call`` (e.g. ``"run_prefill_context_chunk, context
     chunk 2"``) to ``error``, with the shapes and dtypes of ``tensors``; the caller re-raises.
 
-    Once per exception: a second call site it passes on its way up adds nothing.
+    Called at exactly one place per call path, the one that calls the backend's method: no site
+    wraps another, so an exception carries one note (a second would show a doubled site).
     """
-    if is_backend_error(error):
-        return
     shapes = ", ".join(_tensor(name, t) for name, t in tensors.items())
     error.add_note(
         f"{_MARK}{_backend(backend)} raised in {call}{f' ({shapes})' if shapes else ''}. No other "

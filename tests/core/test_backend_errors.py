@@ -49,17 +49,6 @@ def test_the_note_names_the_backend_the_call_and_its_tensors():
     assert printed.index("RuntimeError: CUDA error") < printed.index("mla-prefill-ext: MLA prefill backend")
 
 
-def test_one_note_however_many_call_sites_it_passes():
-    error = ValueError("bad plan")
-    with pytest.raises(ValueError):
-        try:
-            call_site(backend(), "prepare_metadata (the step)", error)
-        except ValueError as e:
-            note_backend_error(e, backend(), "run_prefill_new_tokens")  # an outer site: adds nothing
-            raise
-    assert len(error.__notes__) == 1 and "prepare_metadata (the step)" in error.__notes__[0]
-
-
 def test_the_exceptions_own_notes_stay_and_other_exceptions_are_not_the_backends():
     error = RuntimeError("out of memory")
     error.add_note("the backend's own note")

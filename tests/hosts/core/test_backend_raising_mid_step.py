@@ -5,7 +5,7 @@ layer, metadata builder and ``forward_mha`` on the CPU (``mla_layer_on_cpu``), t
 over cached context, in several chunks), with CUSTOM registered to ``custom_backends.RaisingSDPABackend``
 (TORCH_SDPA raising on its Nth call) and selected as a user would. A clean run lists the calls; each
 case then makes one of them the Nth and fails there. The shared-prefix path's calls are checked in
-test_shared_prefix_path.py.
+test_shared_prefix_path.py; examples/failing_backend.py (the GPU check's backend) in the last test.
 """
 
 from __future__ import annotations
@@ -120,3 +120,47 @@ def test_the_note_names_the_chunk_vllm_was_running(raising, model_dirs):
             two_steps(raising, model_dirs)
         (note,) = info.value.__notes__
         assert f"{NOTED_AS}run_prefill_context_chunk, context chunk {index} (q [" in note, note
+
+
+def test_the_failing_example_stops_on_its_nth_call_as_the_gpu_check_reads_it(
+    raising, model_dirs, clean_selection, tmp_path
+):
+    """examples/failing_backend.py, registered as CUSTOM as scripts/gpu_failing_backend_suite.sh does:
+    its Nth call (the first context chunk) raises with the note naming it; its count file holds the
+    N-1 calls before, as a clean run made them, and no kernel ran the Nth or anything after it."""
+    from pathlib import Path
+
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    clean_selection.syspath_prepend(str(Path(__file__).parents[3] / "examples"))
+    from failing_backend import FailingPrefillBackend
+
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "failing_backend.FailingPrefillBackend")
+
+    def run(fail_at: int, count_file: Path) -> list[str]:
+        clean_selection.setenv("MLA_PREFILL_COUNT_FILE", str(count_file))  # one file per run
+        clean_selection.setenv("MLA_PREFILL_FAIL_AT", str(fail_at))
+        FailingPrefillBackend.calls_made = 0
+        two_steps(raising, model_dirs)
+        return [line.split(" ", 1)[1] for line in count_file.read_text().splitlines()]
+
+    clean = run(10_000, tmp_path / "clean.txt")
+    n = clean.index("context_chunk 0") + 1
+    assert n > 1  # the backend has served before it fails
+    with (
+        recording(TorchSDPAPrefillBackend, "run_prefill_new_tokens") as new_tokens,
+        recording(TorchSDPAPrefillBackend, "run_prefill_context_chunk") as chunks,
+        pytest.raises(RuntimeError, match=rf"^FAILING: prefill call {n} \(context chunk 0\) fails") as info,
+    ):
+        run(n, tmp_path / "failing.txt")
+    (note,) = info.value.__notes__
+    assert (
+        "mla-prefill-ext: MLA prefill backend FAILING (failing_backend.FailingPrefillBackend) raised in "
+        "run_prefill_context_chunk, context chunk 0 (q [" in note
+    ), note
+    assert FailingPrefillBackend.calls_made == n
+    recorded = [line.split(" ", 1)[1] for line in (tmp_path / "failing.txt").read_text().splitlines()]
+    assert recorded == clean[: n - 1]
+    # The built-in kernel under it ran the N-1 calls: not the Nth in its place, nothing after.
+    assert len(new_tokens) + len(chunks) == n - 1
