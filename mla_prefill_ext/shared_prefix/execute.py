@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.backends.base import MLAPrefillBackend
 from mla_prefill_ext.shared_prefix.plan import ContextPass, ContextPlan
 
@@ -120,12 +121,19 @@ def _run_passes(
     passes: tuple[ContextPass, ...],
     block_table: torch.Tensor,
     layer: LayerContext,
+    kind: str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     out = lse = None
     for i, one_pass in enumerate(passes):
         latent = layer.gather(layer.kv_cache, block_table, one_pass, layer.workspace)
         k, v = up_project(layer.kv_b_proj, latent, layer.dims, layer.concat_k)
-        o, l_ = backend.run_prefill_context_chunk(i, q, k, v)
+        try:
+            o, l_ = backend.run_prefill_context_chunk(i, q, k, v)
+        except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+            note_backend_error(
+                e, backend, f"run_prefill_context_chunk, shared-prefix {kind} pass {i}", q=q, k=k, v=v
+            )
+            raise
         out, lse = (o, l_) if out is None else layer.merge(out, lse, o, l_)
     return out, lse
 
@@ -152,11 +160,13 @@ def compute_context(
         if segment_backend is None:
             raise RuntimeError("the plan has shared segments but no segment backend was prepared")
         if plan.members_are_all_rows and q.shape[0] == plan.num_query_tokens:  # q and the output as they are
-            out, lse = _run_passes(segment_backend, q, plan.segment_passes, plan.segment_block_table, layer)
+            out, lse = _run_passes(
+                segment_backend, q, plan.segment_passes, plan.segment_block_table, layer, "segment"
+            )
         else:
             rows = plan.member_rows
             seg_out, seg_lse = _run_passes(
-                segment_backend, q[rows], plan.segment_passes, plan.segment_block_table, layer
+                segment_backend, q[rows], plan.segment_passes, plan.segment_block_table, layer, "segment"
             )
             assert seg_out is not None and seg_lse is not None
             # Rows of requests in no group: no keys here (-inf), as a request with no context in a chunk.
@@ -164,7 +174,9 @@ def compute_context(
             lse = seg_lse.new_full((seg_lse.shape[0], q.shape[0]), float("-inf"))
             out[rows] = seg_out
             lse[:, rows] = seg_lse
-    priv_out, priv_lse = _run_passes(step_backend, q, plan.private_passes, prefill_block_table, layer)
+    priv_out, priv_lse = _run_passes(
+        step_backend, q, plan.private_passes, prefill_block_table, layer, "private"
+    )
     if priv_out is not None:
         out, lse = (priv_out, priv_lse) if out is None else layer.merge(out, lse, priv_out, priv_lse)
     if out is None or lse is None:

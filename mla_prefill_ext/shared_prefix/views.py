@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.backends.base import ContextChunk, MLAPrefillBackend
 from mla_prefill_ext.shared_prefix.plan import ContextPass, ContextPlan
 
@@ -124,5 +125,9 @@ class SegmentInstance:
             prefill_metadata.query_start_loc.device,
             on_device,
         )
-        self._backend.prepare_metadata(self.step)
+        try:
+            self._backend.prepare_metadata(self.step)
+        except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+            note_backend_error(e, self._backend, "prepare_metadata (the shared-prefix segments)")
+            raise
         return self._backend

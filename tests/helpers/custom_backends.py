@@ -49,6 +49,56 @@ class WarmingSDPABackend(TorchSDPAPrefillBackend):
         return super().run_prefill_context_chunk(chunk_idx, q, k, v)
 
 
+class RaisingSDPABackend(TorchSDPAPrefillBackend):
+    """TORCH_SDPA that raises on its Nth call (``fail_at``), counted over its three step methods and
+    all its instances (the layer's, the builder's clones, the bridge's chunk views, the shared-prefix
+    segment instance). Each call is recorded as ``(method, what it served, outcome)``: ``what`` is the
+    type of the step metadata it was given or runs on, and the chunk index; ``raised`` holds what it
+    raised. Calls before the Nth run TORCH_SDPA's own code."""
+
+    fail_at: ClassVar[int | None] = None
+    calls: ClassVar[list[list[str]]] = []
+    raised: ClassVar[list[BaseException]] = []
+
+    @staticmethod
+    def get_name() -> str:
+        return "RAISING_SDPA"
+
+    @classmethod
+    def arm(cls, fail_at: int | None) -> None:
+        cls.fail_at, cls.calls, cls.raised = fail_at, [], []
+
+    def _enter(self, method: str, what: str) -> list[str]:
+        call = [method, what, "running"]
+        self.calls.append(call)
+        if len(self.calls) == self.fail_at:
+            call[2] = "raised"
+            self.raised.append(
+                RuntimeError(f"RAISING_SDPA: call {len(self.calls)} ({method}) fails, as asked")
+            )
+            raise self.raised[-1]
+        return call
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        call = self._enter("prepare_metadata", type(prefill_metadata).__name__)
+        super().prepare_metadata(prefill_metadata)
+        call[2] = "returned"
+
+    def run_prefill_new_tokens(self, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
+        call = self._enter("run_prefill_new_tokens", type(self._prefill_metadata).__name__)
+        result = super().run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        call[2] = "returned"
+        return result
+
+    def run_prefill_context_chunk(self, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
+        call = self._enter(
+            "run_prefill_context_chunk", f"{type(self._prefill_metadata).__name__} {chunk_idx}"
+        )
+        result = super().run_prefill_context_chunk(chunk_idx, q, k, v)
+        call[2] = "returned"
+        return result
+
+
 class FailingWarmupBackend(TorchSDPAPrefillBackend):
     """Declares a warm-up of its context-chunk kernel, which cannot be built on this host."""
 

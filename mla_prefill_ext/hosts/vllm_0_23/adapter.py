@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.hosts.core.builder_lifecycle import builder_query_dtype, builder_runner
 from mla_prefill_ext.hosts.vllm_0_23 import chunks, layers
 from mla_prefill_ext.hosts.vllm_0_23.shape import CHUNK_OBJECT, DIMS_LIST, Shape
@@ -140,7 +141,11 @@ class _Adapter:
         chunks.attach_host_offsets(prefill_metadata)
         if self._views is not None:
             self._views.prepare(prefill_metadata)  # hides vLLM's chunk objects from the inner instance
-        self.inner.prepare_metadata(prefill_metadata)
+        try:
+            self.inner.prepare_metadata(prefill_metadata)
+        except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+            note_backend_error(e, self.inner, "prepare_metadata (the step)")
+            raise
 
     def run_prefill_new_tokens(
         self,
@@ -156,7 +161,11 @@ class _Adapter:
                 f"MLA prefill backend {self._addon_name} (mla-prefill-ext) was asked for a fused, "
                 "quantized output, which it never offers (supports_quant_output is False)"
             )
-        result = self.inner.run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        try:
+            result = self.inner.run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        except Exception as e:
+            note_backend_error(e, self.inner, "run_prefill_new_tokens", q=q, k=k, v=v)
+            raise
         if out is not None:
             out.copy_(result[0] if isinstance(result, tuple) else result)
         return result
@@ -164,7 +173,13 @@ class _Adapter:
     def _run_chunk_by_index(
         self, chunk_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.run_prefill_context_chunk(chunk_idx, q, k, v)
+        try:
+            return self.inner.run_prefill_context_chunk(chunk_idx, q, k, v)
+        except Exception as e:
+            note_backend_error(
+                e, self.inner, f"run_prefill_context_chunk, context chunk {chunk_idx}", q=q, k=k, v=v
+            )
+            raise
 
     def _run_chunk_object(
         self, chunk: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None

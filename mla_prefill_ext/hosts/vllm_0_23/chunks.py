@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.backends.base import ContextChunk
 
 # The attribute the add-on's context_chunks() reads first (mla_prefill_ext.backends.base).
@@ -105,9 +106,17 @@ class ChunkViews:
         ctx = prefill_metadata.chunked_context
         steps = [] if ctx is None else [chunk_step(prefill_metadata, c) for c in ctx.chunks]
         while len(self._views) < len(steps):
-            self._views.append(self._inner.clone())
-        for view, step in zip(self._views[: len(steps)], steps, strict=True):
-            view.prepare_metadata(step)
+            try:
+                self._views.append(self._inner.clone())
+            except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+                note_backend_error(e, self._inner, f"clone (the view of context chunk {len(self._views)})")
+                raise
+        for index, (view, step) in enumerate(zip(self._views[: len(steps)], steps, strict=True)):
+            try:
+                view.prepare_metadata(step)
+            except Exception as e:
+                note_backend_error(e, view, f"prepare_metadata (the view of context chunk {index})")
+                raise
         self._steps = steps
         # The new tokens run on the inner instance: its step has no context chunks of the
         # add-on's kind (vLLM's chunk objects are for the views).
@@ -119,4 +128,9 @@ class ChunkViews:
             raise RuntimeError(
                 f"context chunk {index} ran, but the step was prepared with {len(self._steps)} chunks"
             )
-        return self._views[index].run_prefill_context_chunk(0, q, k, v)
+        view = self._views[index]
+        try:
+            return view.run_prefill_context_chunk(0, q, k, v)
+        except Exception as e:
+            note_backend_error(e, view, f"run_prefill_context_chunk, context chunk {index}", q=q, k=k, v=v)
+            raise

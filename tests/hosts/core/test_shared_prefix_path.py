@@ -473,28 +473,89 @@ def test_deactivate_removes_the_paths_wrappers_and_activate_puts_them_back(activ
 
 
 def test_a_failure_while_planning_leaves_vllms_own_step(activated, model_dirs, small_groups_pay, monkeypatch):
-    """Preparing the shared segments fails: the step runs vLLM's own context path with vLLM's own
-    chunks, correctly (an ERROR line says so), never with the private chunks half attached."""
-    from mla_prefill_ext.backends.torch_sdpa import TorchSDPAPrefillBackend
+    """The add-on's own planning fails (making the segments' step): the step runs vLLM's own context
+    path with vLLM's own chunks, correctly (an ERROR line says so). A backend that raises is another
+    matter: see the next test."""
+    from mla_prefill_ext.shared_prefix import views
 
     path = _path()
     if not path.is_instrumented():
         pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
-    original = TorchSDPAPrefillBackend.prepare_metadata
     failed = []
 
-    def prepare_metadata(self, prefill):
-        if type(prefill).__name__ == "SegmentStep" and not failed:
-            failed.append(True)
-            raise RuntimeError("out of memory (a test's)")
-        return original(self, prefill)
+    def segment_step(*args, **kwargs):
+        failed.append(True)
+        raise RuntimeError("a planning fault (a test's)")
 
-    monkeypatch.setattr(TorchSDPAPrefillBackend, "prepare_metadata", prepare_metadata)
+    monkeypatch.setattr(views, "SegmentStep", segment_step)
     cfg = host.make_vllm_config(model_dirs["yarn"])
     result = run_step(cfg, build_layer(cfg, None), activated)
     assert failed and result["shared"] is None
     assert result["projected_rows"] == result["new_tokens"] + sum(context_lens(SHARED))
     assert result["error"] <= TOLERANCE, result
+
+
+# A backend raising on its Nth call on the path (found in a clean run: (method, what it served), which
+# of those, what the note says): its own exception stops the step, named once; vLLM's path does not
+# take over. custom_backends.RaisingSDPABackend, registered as CUSTOM (test_backend_raising_mid_step.py
+# has the same for the calls outside the path).
+RAISING = {
+    "a segment pass": ("run_prefill_context_chunk", "SegmentStep", 0, "shared-prefix segment pass 0"),
+    "a private pass": (
+        "run_prefill_context_chunk",
+        "MLACommonPrefillMetadata",
+        0,
+        "shared-prefix private pass 0",
+    ),
+    "the segments' preparation": ("prepare_metadata", "SegmentStep", 0, "(the shared-prefix segments)"),
+    "the private chunks' preparation": (
+        "prepare_metadata",
+        "MLACommonPrefillMetadata",
+        -1,
+        "(the shared-prefix private chunks)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", RAISING)
+def test_a_backend_raising_on_the_path_stops_the_step_with_its_own_exception(
+    activated, model_dirs, small_groups_pay, clean_selection, case
+):
+    from custom_backends import RaisingSDPABackend
+
+    from mla_prefill_ext import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    path = _path()
+    if not path.is_instrumented():
+        pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "custom_backends.RaisingSDPABackend")
+    clean_selection.setenv("MLA_PREFILL_BACKEND", "CUSTOM")
+    method, served, which, said = RAISING[case]
+    cfg = host.make_vllm_config(model_dirs["yarn"])
+    try:
+        RaisingSDPABackend.arm(None)
+        clean = run_step(cfg, build_layer(cfg, None), activated)
+        cfg = host.make_vllm_config(model_dirs["yarn"])  # a fresh model for the second run
+        assert clean["shared"] is not None and clean["error"] <= TOLERANCE, clean
+        calls = [(m, w) for m, w, _ in RaisingSDPABackend.calls]
+        print(case, "- the clean run's calls:", calls)
+        n = [i for i, (m, w) in enumerate(calls, 1) if m == method and w.split()[0] == served][which]
+
+        RaisingSDPABackend.arm(n)
+        with pytest.raises(RuntimeError) as info:
+            run_step(cfg, build_layer(cfg, None), activated)
+        made, raised = list(RaisingSDPABackend.calls), list(RaisingSDPABackend.raised)
+    finally:
+        RaisingSDPABackend.arm(None)
+    error = info.value
+    assert error is raised[0]  # the backend's own exception, unwrapped and unchanged
+    assert str(error) == f"RAISING_SDPA: call {n} ({method}) fails, as asked"
+    (note,) = error.__notes__
+    print(case, "- the note:", note)
+    assert f"RAISING_SDPA (custom_backends.RaisingSDPABackend) raised in {method}" in note
+    assert said in note
+    assert [(m, w) for m, w, _ in made] == calls[:n]  # as the clean run, to the Nth call; nothing after
+    assert [outcome for _, _, outcome in made] == ["returned"] * (n - 1) + ["raised"]
 
 
 def test_short_extends_with_private_contexts_behind_one_shared_header_stay_put(activated):

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
+from mla_prefill_ext.backend_errors import is_backend_error, note_backend_error
 from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, counters, routing, switch
 from mla_prefill_ext.shared_prefix import (
     ContextPlan,
@@ -25,10 +26,8 @@ from mla_prefill_ext.shared_prefix import (
     find_shared_prefixes,
     plan_context,
 )
-from mla_prefill_ext.shared_prefix.views import CHUNKS_ATTR
 
 STEP_ATTR = "mla_shared_step"
-_ABSENT = object()
 """The prefill metadata's attribute holding the step's :class:`SharedStep` (absent: vLLM's path)."""
 
 
@@ -157,7 +156,9 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return metadata
     try:
         plan_step(instance, metadata, prefill, common, rows, state)
-    except Exception:
+    except Exception as e:
+        if is_backend_error(e):
+            raise  # a backend that raised: no fallback, the engine stops (mla_prefill_ext.backend_errors)
         # A fault of the add-on's planning must not stop the engine: this step runs vLLM's own
         # context path, and the log says so with the traceback (once per process).
         prefill.__dict__.pop(STEP_ATTR, None)
@@ -213,20 +214,13 @@ def plan_step(
     on_device = plan.to(device)  # one copy for the layers and both instances' views
     segments = {key: state.segments[key].prepare(plan, prefill, on_device) for key in backends}
     shared = SharedStep(on_device, {key: (b, segments[key]) for key, (b, _) in backends.items()})
-    previous = prefill.__dict__.get(CHUNKS_ATTR, _ABSENT)
     attach_private_chunks(plan, prefill, on_device)
-    try:
-        for _, prepare in backends.values():
+    for backend, prepare in backends.values():
+        try:
             prepare(prefill)  # the private chunks, in place of vLLM's
-    except BaseException:
-        # Back to vLLM's own chunks, for vLLM's own loop, before the failure is reported.
-        if previous is _ABSENT:
-            prefill.__dict__.pop(CHUNKS_ATTR, None)
-        else:
-            setattr(prefill, CHUNKS_ATTR, previous)
-        for _, prepare in backends.values():
-            prepare(prefill)
-        raise
+        except Exception as e:  # the backend's failure stops the engine (after_build lets it through)
+            note_backend_error(e, backend, "prepare_metadata (the shared-prefix private chunks)")
+            raise
     setattr(prefill, STEP_ATTR, shared)
     if counters.add("steps_with_segments") == 1:
         s = plan.segments[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.hosts.core.builder_lifecycle import builder_runner
 
 
@@ -72,5 +73,9 @@ def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         prefill.query_start_loc_cpu = host[start:] - host[start]
     prefill.mla_prefill_runners = runners
     for runner in runners.values():
-        runner.prepare_metadata(prefill)
+        try:
+            runner.prepare_metadata(prefill)
+        except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+            note_backend_error(e, runner, "prepare_metadata (the step)")
+            raise
     return metadata

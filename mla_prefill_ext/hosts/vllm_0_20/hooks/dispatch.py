@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
+from mla_prefill_ext.backend_errors import note_backend_error
 from mla_prefill_ext.hosts.core.refusal import explicit_choice
 from mla_prefill_ext.hosts.vllm_0_20.scope import platform_reason
 
@@ -134,20 +135,34 @@ def bind_impl_to_backend(impl: Any) -> None:
                 return prepared
         # Never kept: the layer's own instance is prepared again whenever another step used it.
         if backend._prefill_metadata is not prefill:
-            backend.prepare_metadata(prefill)
+            try:
+                backend.prepare_metadata(prefill)
+            except Exception as e:
+                note_backend_error(e, backend, "prepare_metadata (the layer's own instance)")
+                raise
         return backend
 
     def run_prefill_new_tokens(prefill: Any, q: Any, k: Any, v: Any, return_softmax_lse: bool) -> Any:
         seen, prepared = cell.last
         if seen is not prefill:
             prepared = runner(prefill)
-        return prepared.run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        try:
+            return prepared.run_prefill_new_tokens(q, k, v, return_softmax_lse)
+        except Exception as e:  # never caught: named, it stops the engine in vLLM's worker
+            note_backend_error(e, prepared, "run_prefill_new_tokens", q=q, k=k, v=v)
+            raise
 
     def run_prefill_context_chunk(prefill: Any, chunk_idx: int, q: Any, k: Any, v: Any) -> Any:
         seen, prepared = cell.last
         if seen is not prefill:
             prepared = runner(prefill)
-        return prepared.run_prefill_context_chunk(chunk_idx, q, k, v)
+        try:
+            return prepared.run_prefill_context_chunk(chunk_idx, q, k, v)
+        except Exception as e:
+            note_backend_error(
+                e, prepared, f"run_prefill_context_chunk, context chunk {chunk_idx}", q=q, k=k, v=v
+            )
+            raise
 
     impl._run_prefill_new_tokens = run_prefill_new_tokens
     impl._run_prefill_context_chunk = run_prefill_context_chunk
