@@ -51,14 +51,15 @@ def lifetime_figures(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(lifetimes: list[dict[str, Any]], workloads: list[str]) -> list[dict[str, Any]]:
-    """Per workload and side, each figure's median over the side's lifetimes; RATIOS' stock / side (median,
-    min, max) over every pair of a stock lifetime and one of the side's (stock's row: stock's own pairs)."""
+    """Per workload and side, each figure's median over the side's lifetimes that ran it with no error (a
+    failed request is one); RATIOS' stock / side (median, min, max) over every pair of a stock lifetime
+    and one of the side's (stock's row: stock's own pairs)."""
     rows = []
     for name in workloads:
         by_side: dict[str, list[dict[str, Any]]] = {}
         for life in lifetimes:
-            if "client" in life["workloads"].get(name, {}):
-                by_side.setdefault(life["side"], []).append(lifetime_figures(life["workloads"][name]))
+            if "error" not in (done := life["workloads"].get(name, {"error": "not run"})):
+                by_side.setdefault(life["side"], []).append(lifetime_figures(done))
         for side, runs in by_side.items():
             row: dict[str, Any] = {"workload": name, "side": side, "lifetimes": len(runs)}
             for key in runs[0]:
@@ -88,8 +89,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
 def plot_sweep(rows: list[dict[str, Any]], rates: dict[str, float], path: Path) -> bool:
     """Stock / side mean TTFT (median over pairs of lifetimes) against the request rate of the workloads in
     ``rates``, a line per side; False where there is nothing to plot, or no matplotlib."""
-    points = [r for r in rows if r["workload"] in rates and r["side"] != "stock"]
-    if not (points := [r for r in points if "stock/side ttft_mean_ms" in r]):
+    key = "stock/side ttft_mean_ms"
+    if not (points := [r for r in rows if r["workload"] in rates and r["side"] != "stock" and key in r]):
         return False
     try:
         import matplotlib
@@ -101,8 +102,7 @@ def plot_sweep(rows: list[dict[str, Any]], rates: dict[str, float], path: Path) 
     fig, ax = plt.subplots(figsize=(7, 4))
     for side in sorted({r["side"] for r in points}):
         mine = sorted((r for r in points if r["side"] == side), key=lambda r: rates[r["workload"]])
-        y = [r["stock/side ttft_mean_ms"]["median"] for r in mine]
-        ax.plot([rates[r["workload"]] for r in mine], y, marker="o", label=side)
+        ax.plot([rates[r["workload"]] for r in mine], [r[key]["median"] for r in mine], "o-", label=side)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="request rate (req/s, Poisson)", ylabel="stock / side, mean TTFT")
     fig.legend()

@@ -7,6 +7,7 @@ OpenAI completions format and records the prompts it gets (what a server's prefi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -114,11 +115,11 @@ def client_runs(endpoint, tmp_path_factory) -> dict:
 
 def test_the_client_sends_the_burst_and_the_untimed_run_caches_its_prefix(client_runs):
     warm, timed = client_runs["warm"]["prompts"], client_runs["timed"]["prompts"]
-    assert len(timed) == len(warm) == 6
-    assert {len(p) for p in timed} == {96 + 8} and {len(p) for p in warm} == {96 + 1}
     prefixes = {tuple(p[:96]) for p in timed}
     assert len(prefixes) == 1  # one prefix shared by every request
     assert {tuple(p[:96]) for p in warm} == prefixes  # and the untimed run's is the same: cached beforehand
+    assert len(timed) == len(warm) == 6
+    assert {len(p) for p in timed} == {96 + 8} and {len(p) for p in warm} == {96 + 1}
     assert len({tuple(p[96:]) for p in timed}) == 6  # the rest each request's own
 
 
@@ -208,6 +209,8 @@ def test_the_paired_ratio_is_stock_over_side_with_its_spread_over_every_pair_of_
     lives = [lifetime("stock", 3000, 4.0), lifetime("FLASH_ATTN", 2000, 2.0)]
     lives += [lifetime("stock", 3300, 5.0), lifetime("FLASH_ATTN", 2500, 2.5)]
     lives.append({"side": "FLASH_ATTN", "workloads": {"w": {"error": "client out of time"}}})  # not counted
+    failed = lifetime("FLASH_ATTN", 100, 0.1)
+    lives.append({**failed, "workloads": {"w": {**failed["workloads"]["w"], "error": "3 requests failed"}}})
     rows = {r["side"]: r for r in report.summarize(lives, ["w"])}
     side, stock = rows["FLASH_ATTN"], rows["stock"]
     assert (side["lifetimes"], stock["lifetimes"]) == (2, 2)
@@ -243,3 +246,16 @@ def test_the_presets_cover_the_issues_workloads():
     assert named == ["sweep-32k-4rps", "sweep-32k-2rps", "sweep-32k-8rps"]
     with pytest.raises(ValueError, match="unknown workloads"):
         workloads.select("bursts-16k")
+
+
+def test_the_sweep_plot_draws_the_ratio_against_the_rate(tmp_path):
+    pytest.importorskip("matplotlib")
+    lives = [{"side": side, "workloads": {}} for side in ("stock", "FLASH_ATTN")]
+    for life, rate in itertools.product(lives, (2, 16)):
+        ttft = 2000 if (life["side"], rate) == ("FLASH_ATTN", 2) else 3000
+        life["workloads"][f"sweep-{rate}"] = lifetime(life["side"], ttft, 4.0)["workloads"]["w"]
+    rows = report.summarize(lives, ["sweep-2", "sweep-16"])
+    rates = {"sweep-2": 2, "sweep-16": 16}
+    assert report.plot_sweep(rows, rates, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert not report.plot_sweep([r for r in rows if r["side"] == "stock"], rates, tmp_path / "none.png")
