@@ -3,9 +3,8 @@
     python -m scripts.bench NAME [flags]       # python -m scripts.bench NAME --help: what it measures
 
 docs/benchmarks.md has the commands and the recorded results. The measurements share
-``common`` (the run's environment, its JSON, --help from the docstring), ``sides`` (the runner of
-side-by-side engine lifetimes: switches, cold caches, process control, tables) and ``workload``
-(the first-request load).
+``common`` (the run's environment, its JSON, --help from the docstring) and ``sides`` (the runner of
+side-by-side engine lifetimes: switches, cold caches, process control, tables).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ MEASUREMENTS = {
     "kernel_report": "the kernel benchmark's tables and plot, rebuilt from a run's log",
     "engine": "engine prefill throughput: stock and the backends, side by side, interleaved",
     "first_request": "start-up time and first-wave latency after a fresh start, per side",
-    "serve_load": "load on a real `vllm serve` after a fresh start, per side",
+    "serving": "a real `vllm serve` per side, loaded by `vllm bench serve`: TTFT, TPOT, throughput, timers",
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",
     "shared_prefix_engine": "engine time with a shared cached prefix: stock, the add-on, its path off (GPU)",
 }

@@ -23,23 +23,56 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from . import common
 from . import sides as runner
-from .workload import MAX_TOKENS, MODEL_DIR, QUICK_WAVE, Wave, make_wave
 
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
 MIN_SIDE_S = 45.0  # a side given less than this before --deadline is skipped, not started
+MODEL_DIR = common.ROOT / "scripts" / "gpu_harness" / "tiny_deepseek_v2"  # the GPU suite's tiny DeepSeek-V2
+VOCAB = 32000
+MAX_TOKENS = 8
+MAPPED = "flashinfer_modules"
 
 
-# --- pure parts (unit-tested on the CPU) -----------------------------------------------------
+@dataclass(frozen=True)
+class Wave:
+    """The first wave's shape: how many requests, their prompt lengths, the shared prefix."""
+
+    requests: int = 64
+    min_len: int = 100
+    max_len: int = 12000
+    prefix_len: int = 6000
+    share_every: int = 4  # every fourth request starts with the shared prefix
+    seed: int = 0
+
+
+QUICK_WAVE = Wave(requests=16, max_len=6000, prefix_len=3000)
+
+
+def make_wave(wave: Wave) -> list[list[int]]:
+    """The first wave's prompts (token ids), the same for every side."""
+    rng = random.Random(wave.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(2, VOCAB) for _ in range(n)]
+
+    prefix = tokens(wave.prefix_len)
+    prompts = []
+    for i in range(wave.requests):
+        if i % wave.share_every == 0:
+            prompts.append(prefix + tokens(rng.randint(wave.min_len, wave.max_len - wave.prefix_len)))
+        else:
+            prompts.append(tokens(rng.randint(wave.min_len, wave.max_len)))
+    return prompts
 
 
 def mapped_modules(maps: str, dirs: list[str]) -> list[str]:
@@ -70,18 +103,13 @@ def side_summary(raw: dict[str, Any]) -> dict[str, Any]:
         ttft_p99_s=runner.percentile([r["first_token_s"] for r in raw["requests"]], 99),
         requests=len(latencies),
         cached_prompt_tokens=sum(r["num_cached_tokens"] or 0 for r in raw["requests"]),
-        modules_loaded_in_wave=sorted(
-            set().union(*(loaded_between(a, b) for a, b in zip(before, after, strict=True)))
+        modules_loaded_in_wave=sorted(  # those a worker mapped between its two reports
+            {m for a, b in zip(before, after, strict=True) for m in set(b[MAPPED]) - set(a[MAPPED])}
         ),
         modules_built=sorted(set(raw["cache_after"]) - set(raw["cache_before"])),
         flashinfer_cache=raw["flashinfer_cache_state"],
     )
     return row
-
-
-def loaded_between(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
-    """The FlashInfer modules a worker mapped between two of its reports."""
-    return set(after["flashinfer_modules"]) - set(before["flashinfer_modules"])
 
 
 def summarize(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,7 +125,7 @@ LATENCIES = ("p50_s", "p99_s", "max_s")
 def cells(r: dict[str, Any]) -> list[str]:
     """One side's row of the table."""
     if not r["ok"]:
-        return runner.failed_cells(r)
+        return [r["side"], f"failed: {r['error']}"]
     times = [f"{r['up_after_s']:.0f} s", f"{r['warmup_s']:.1f} s", *(f"{r[k]:.2f} s" for k in LATENCIES)]
     ratio = f"{r['p99_vs_stock']:.2f}" if "p99_vs_stock" in r else "-"
     return [r["side"], r["flashinfer_cache"], *times, ratio, ", ".join(r["modules_loaded_in_wave"]) or "none"]
@@ -105,9 +133,6 @@ def cells(r: dict[str, Any]) -> list[str]:
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     return runner.markdown_table(COLUMNS, map(cells, rows))
-
-
-# --- inside a worker (collective_rpc) ------------------------------------------------------
 
 
 def worker_report(worker: Any) -> dict[str, Any]:
@@ -143,10 +168,7 @@ def worker_report(worker: Any) -> dict[str, Any]:
     report = dict(
         pid=_os.getpid(), owners=sorted(owners), warmups=warmups, context_chunk_wrappers=chunk_plans
     )
-    return {**report, "flashinfer_modules": modules, "flashinfer_getter_misses": misses}
-
-
-# --- one side: the child process -----------------------------------------------------------
+    return {**report, MAPPED: modules, "flashinfer_getter_misses": misses}
 
 
 async def run_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,9 +225,6 @@ def child_main(args: argparse.Namespace) -> int:
     record["launched_at"] = args.launched_at
     Path(args.out).write_text(json.dumps(record))
     return 0
-
-
-# --- the sides, one after the other ------------------------------------------------------
 
 
 def check_owners(side: runner.Side, reports: list[dict[str, Any]]) -> str | None:

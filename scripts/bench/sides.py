@@ -1,4 +1,4 @@
-"""The runner the side-by-side benchmarks share (first_request, serve_load): sides, caches, processes, tables.
+"""The runner the side-by-side benchmarks share (first_request, serving): sides, caches, processes, tables.
 
 A side is one engine (or server) lifetime in a process of its own, alone on the GPU: ``stock`` (the
 add-on disabled), ``NAME`` (``MLA_PREFILL_BACKEND=NAME``) or ``NAME-warm`` (with a filled FlashInfer cache).
@@ -26,9 +26,6 @@ class Side:
     label: str
     backend: str | None  # None: stock (the add-on disabled)
     warm: bool = False
-
-
-# --- which sides, with which switches and caches (pure, unit-tested on the CPU) ---------------
 
 
 def parse_sides(text: str, warm_cache_given: bool = False) -> list[Side]:
@@ -121,9 +118,6 @@ def add_side_arguments(parser: argparse.ArgumentParser, *, side_timeout: float, 
     parser.add_argument("--deadline", type=float, help="epoch seconds: no side runs past it (others skipped)")
 
 
-# --- a side's process ------------------------------------------------------------------------
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill a side's process and every process under it: vLLM's engine core runs in a process of its
     own, and must not hold the GPU for the next side."""
@@ -163,9 +157,6 @@ def stop_server(proc: subprocess.Popen) -> None:
     kill_tree(proc)
 
 
-# --- figures and tables ----------------------------------------------------------------------
-
-
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
     if not values:
@@ -183,8 +174,3 @@ def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> lis
     for cells in rows:
         lines.append("| " + " | ".join(cells) + " |" + " |" * (len(columns) - len(cells)))
     return lines
-
-
-def failed_cells(row: dict) -> list[str]:
-    """A failed side's row: its label and what went wrong."""
-    return [row["side"], f"failed: {row['error']}"]

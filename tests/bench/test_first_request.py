@@ -15,7 +15,6 @@ import pytest
 
 from scripts.bench import first_request as bench
 from scripts.bench import sides as side_runner
-from scripts.bench import workload
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "scripts.bench", "first_request"]  # run from ROOT
@@ -71,7 +70,7 @@ def test_the_wave_mixes_long_prompts_and_a_shared_prefix(wave):
     assert len(shared) == wave.requests // wave.share_every
     # Longer than a step's token budget (2048): prefilled in chunks over their own context.
     assert sum(len(p) > 2048 for p in prompts) >= wave.requests // 2
-    assert all(2 <= t < workload.VOCAB for p in prompts for t in p)
+    assert all(2 <= t < bench.VOCAB for p in prompts for t in p)
 
 
 def test_percentile_interpolates_between_ranks():

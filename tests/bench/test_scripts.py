@@ -43,7 +43,7 @@ def load_script(name: str):
 
 
 def test_the_scripts_are_found():
-    assert {"kernel", "engine", "shared_prefix_engine", "serve_load", "first_request"} <= set(SCRIPTS)
+    assert {"kernel", "engine", "shared_prefix_engine", "serving", "first_request"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
