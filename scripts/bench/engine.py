@@ -28,7 +28,7 @@ from typing import Any
 
 from . import common
 from .common import ROOT
-from .sides import SIDE_ENV, markdown_table
+from .sides import SIDE_ENV, Side, markdown_table, side_env
 
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
@@ -38,10 +38,6 @@ GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"  # its engine core's gatherin
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
     return [(int(length), int(batch)) for length, batch in (p.lower().split("x") for p in text.split(","))]
-
-
-def side_env(side: str) -> dict[str, str]:
-    return {"MLA_PREFILL_EXT_DISABLE": "1"} if side == "stock" else {"MLA_PREFILL_BACKEND": side}
 
 
 def prefill_owners(worker: Any) -> dict[str, Any]:
@@ -129,7 +125,7 @@ def start_engine(
     backend, _, label = side.partition("@")
     tree = args.trees[label] if label else None
     saved = {k: os.environ.pop(k, None) for k in (*SIDE_ENV, *extra_env, "PYTHONPATH")}
-    os.environ.update(side_env(backend))
+    os.environ.update(side_env(Side(backend, None if backend == "stock" else backend)))
     os.environ.update(extra_env)
     path = os.pathsep.join(filter(None, [str(tree) if tree else None, saved["PYTHONPATH"]]))
     if path:

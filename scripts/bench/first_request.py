@@ -5,16 +5,13 @@
         [--logs DIR] [--cache-root DIR] [--warm-cache DIR] [--flashinfer-cache DIR]
         [--keep-host-caches]
 
-Each side is one engine lifetime (``AsyncLLM``, the GPU suite's tiny DeepSeek-V2, dummy weights) in a
-fresh process of its own, alone on the GPU, with fresh caches under ``--cache-root``: FlashInfer's,
-vLLM's and Triton's (``--keep-host-caches``: the host's vLLM and Triton caches; ``--flashinfer-cache
-DIR``: one FlashInfer cache for every side). ``stock``: the add-on disabled; ``NAME``:
-``MLA_PREFILL_BACKEND=NAME``; ``NAME-warm``: as ``NAME``, with the FlashInfer cache side ``NAME``
-filled (or ``--warm-cache DIR``). "Up after": launch to ready. First wave: ``--requests`` requests
-(64; ``--quick``: 16) sent at once when ready, 8 tokens each; a request's latency runs to its last
-token. Each worker reports the backend owning MLA prefill, the add-on's warm-ups and the FlashInfer
-modules mapped, after start-up and after the wave. Raw results go to ``--json`` after each side.
-What it measures and the recorded results: docs/benchmarks.md.
+Each side (``stock``: the add-on disabled; ``NAME``: ``MLA_PREFILL_BACKEND=NAME``; ``NAME-warm``: with the
+FlashInfer cache side ``NAME`` filled, or ``--warm-cache DIR``) is one ``AsyncLLM`` lifetime (the GPU
+suite's tiny DeepSeek-V2, dummy weights) in a fresh process alone on the GPU, with fresh caches under
+``--cache-root``. "Up after": launch to ready. First wave: ``--requests`` requests sent at once when ready,
+8 tokens each, a request's latency to its last token. Each worker reports the backend owning MLA prefill,
+the add-on's warm-ups and the FlashInfer modules mapped, after start-up and after the wave. Raw results
+go to ``--json`` after each side. What it measures and the results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -6,29 +6,14 @@
         [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
 
 Sides, all alive at once in this driver process on one GPU (start-up and checks as in ``engine``):
-``stock``, ``NAME`` (the path as the add-on sets it), ``NAME:noshare`` (``MLA_PREFILL_SHARED_PREFIX=0``),
-``NAME:gather`` / ``NAME:gather40`` (the engine core's gathering at 100 / 40 ms), ``NAME:nogather``
-(``MLA_PREFILL_SHARED_PREFIX_GATHER_MS=0``); ``stock:2``, ``NAME:noshare:3``, ...: another lifetime of
-that configuration; and sides
-without an engine of their own: ``NAME:pause`` times its calls on side ``NAME``'s engine with the whole path
-paused there for them (``path_parts.pause`` in the worker through ``collective_rpc``, outside the timing,
-one GPU),
-``NAME:pause-route+hits`` those parts only (of plan, route, hashes, hits, gather; the plan's pause takes
-routing with it, the hashes' the gathering): the path on and off in one engine lifetime, where two
-lifetimes of one engine can differ by more than what is measured; each side on a shared engine gets fresh
-tokens of its own.
-Prefix caching on, the 61-layer R1 slice (one GPU of TP=8, dummy weights), compiled unless ``--eager``.
-
-Scenarios (points BxN: B requests, N fresh tokens each): ``shared`` (one cached prefix of each of
-``--prefix-lens``), ``private`` (a cached ``--private-prefix-len`` prefix each), ``fresh`` (no cached
-prefix), ``decode`` (``--decode-tokens`` generated, output tokens/s). Prefixes are cached untimed first;
-the timed prompts are new every repetition, so only prefixes hit (recorded and checked). Every
-repetition runs every point on every side in a rotating order, one untimed first; per point each side's
-median seconds and paired ratio to stock (above 1: faster). With several stock lifetimes, each side
-against all of them (``against_stock_lifetimes``); with pause sides, each against its host
-(``pause_vs_host``, a 95% bootstrap interval). ``--stop-after S``: no repetition starts that would end
-past S seconds. Workers report the workload's memory peak (``memory``). ``--json`` is rewritten after
-every repetition. Results and the quick command: docs/benchmarks.md.
+``stock``, ``NAME``, ``NAME:noshare``, ``NAME:gather[MS]``, ``NAME:nogather``, another lifetime of one
+(``stock:2``, ``NAME:noshare:3``), and ``NAME:pause[-PART+...]``, which times its calls on side ``NAME``'s
+engine with the path or those parts paused there (shared_prefix_workload.SideSpec says each). Prefix
+caching on, the 61-layer R1 slice (dummy weights), compiled unless ``--eager``. Each repetition runs every
+point on every side in a rotating order, one untimed first; per point each side's median seconds and
+paired ratio to ``--baseline``, the comparisons against every stock lifetime and of each pause side with
+its host, the path's counters per call and each worker's memory peak. ``--json`` is rewritten after every
+repetition. What it measures, the scenarios and the results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,28 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from . import common, engine
-from .shared_prefix_table import (
-    Raw,
-    cache_notes,
-    comparison_lines,
-    comparisons,
-    markdown,
-    tabulate,
-)
-from .shared_prefix_workload import (
-    SHARED_PREFIX_ENV,
-    Point,
-    SideSpec,
-    build_points,
-    check_fits,
-    parse_ints,
-    parse_points,
-    parse_sides,
-    pauses_before_calls,
-    sharing_an_engine,
-    timed_prompts,
-    warm_prompts,
-)
+from . import shared_prefix_workload as workload
+from .shared_prefix_table import Raw, cache_notes, comparison_lines, comparisons, markdown, tabulate
+from .shared_prefix_workload import SHARED_PREFIX_ENV, Point, SideSpec
 
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASH_ATTN:noshare"
 DEFAULT_POINTS = "16x32,16x128,16x512,8x1024,4x2048"
@@ -98,13 +64,13 @@ def take_turns(
     for rep in range(reps + 1):
         order = [*sides[rep % len(sides) :], *sides[: rep % len(sides)]]
         for point in points:
-            prefixes = warm_prompts(point, vocab)
+            prefixes = workload.warm_prompts(point, vocab)
             if prefixes:
                 for side in sides:
                     warm(side, prefixes)
-            prompts = timed_prompts(point, rep, vocab)
+            prompts = workload.timed_prompts(point, rep, vocab)
             for side in order:
-                mine = timed_prompts(point, rep, vocab, own=side) if side in own_tokens else prompts
+                mine = workload.timed_prompts(point, rep, vocab, own=side) if side in own_tokens else prompts
                 took, hit, produced = timed(side, mine, point, rep)
                 if rep:  # repetition 0 warms every shape up
                     seconds[side].setdefault(point.key, []).append(took)
@@ -122,14 +88,8 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
 
 
 PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' reports
-COUNTERS = (  # those and the engine core's prefix_hashes report
-    "steps",
-    "steps_routed",
-    "steps_with_segments",
-    "blocks_reused",
-    "hits_reused",
-    "gathered",
-)
+HASH_COUNTERS = {"blocks_reused": "reused_blocks", "hits_reused": "reused_hits", "gathered": "gathered"}
+COUNTERS = (*PATH_COUNTERS, *HASH_COUNTERS)  # those and the engine core's prefix_hashes report
 
 
 def path_counters(llm: Any) -> dict[str, int] | None:
@@ -145,11 +105,7 @@ def path_counters(llm: Any) -> dict[str, int] | None:
     if not reports or any(r is None for r in reports):
         return None
     counters: dict[str, Any] = {k: sum(int(r.get(k, 0)) for r in reports) for k in PATH_COUNTERS}
-    for counter, key in (
-        ("blocks_reused", "reused_blocks"),
-        ("hits_reused", "reused_hits"),
-        ("gathered", "gathered"),
-    ):
+    for counter, key in HASH_COUNTERS.items():
         counters[counter] = sum(int((w.get("prefix_hashes") or {}).get(key, 0)) for w in workers)
     # The first worker's recent steps, (requests, tokens, routed) each: every worker runs every step.
     counters["first_worker_steps"] = int(reports[0].get("steps", 0))
@@ -224,15 +180,10 @@ def make_parser():
     parser = common.parser(__doc__)
     parser.add_argument("--model", type=Path, default=engine.MODEL_DIR, help="model folder (config.json)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs")
-    parser.add_argument(
-        "--sides",
-        default=DEFAULT_SIDES,
-        help="stock, NAME, NAME:noshare, NAME:gather, NAME:nogather, NAME:pause[-PART+...] (comma-separated)",
-    )
+    sides = "stock, NAME, NAME:noshare, NAME:gather, NAME:nogather, NAME:pause[-PART+...] (comma-separated)"
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help=sides)
     parser.add_argument("--baseline", default="stock", help="the side the ratios divide by")
-    parser.add_argument(
-        "--scenarios", default="shared,private,fresh,decode", help="which of shared,private,fresh,decode"
-    )
+    parser.add_argument("--scenarios", default="shared,private,fresh,decode", help="some of these")
     parser.add_argument("--prefix-lens", default="32768,8192", help="shared: prefix lengths P")
     parser.add_argument("--points", default=DEFAULT_POINTS, help="shared and fresh: BxN points")
     parser.add_argument("--private-prefix-len", type=int, default=8192, help="private: each request's P")
@@ -244,29 +195,26 @@ def make_parser():
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=40960, help="at least P + N (+ decode tokens)")
     parser.add_argument("--gpu-mem", type=float, default=0.28, help="gpu_memory_utilization per engine")
-    parser.add_argument(
-        "--stop-after",
-        type=float,
-        help="seconds from the start: no repetition begins that would end later (by the last one's time)",
-    )
+    stop = "seconds from the start: no repetition begins that would end later (by the last one's time)"
+    parser.add_argument("--stop-after", type=float, help=stop)
     parser.add_argument("--json", help="write the raw results and the table here")
     return parser
 
 
 def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:
     """The run's sides and points from its flags (a ValueError says what is wrong)."""
-    sides = parse_sides(args.sides)
-    points = build_points(
+    sides = workload.parse_sides(args.sides)
+    points = workload.build_points(
         [s.strip() for s in args.scenarios.split(",")],
-        parse_ints(args.prefix_lens),
-        parse_points(args.points),
+        workload.parse_ints(args.prefix_lens),
+        workload.parse_points(args.points),
         args.private_prefix_len,
-        parse_points(args.private_points),
+        workload.parse_points(args.private_points),
         args.decode_prefix_len,
-        parse_points(args.decode_points),
+        workload.parse_points(args.decode_points),
         args.decode_tokens,
     )
-    check_fits(points, args.max_model_len)
+    workload.check_fits(points, args.max_model_len)
     if args.baseline not in [s.label for s in sides]:
         raise ValueError(f"--baseline {args.baseline!r} is not one of the sides {args.sides!r}")
     return sides, points
@@ -296,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             check_switch(side, info[side.label])
     engines = {s.label: own[s.engine or s.label] for s in sides}  # a pause side: its host's engine
-    pauses = pauses_before_calls(sides)
+    pauses = workload.pauses_before_calls(sides)
     for llm in own.values():  # the peaks reported at the end are the workload's, not the start-up's
         llm.collective_rpc(engine.reset_memory_peak)
 
@@ -328,13 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs = engines[side].generate(batch, params, use_tqdm=False)
         took = time.perf_counter() - t
         # Which call a record is of (rep 0: the untimed warm-up).
-        call = {
-            "side": side,
-            "point": point.key,
-            "rep": rep,
-            "requests": len(prompts),
-            "prompt_len": len(prompts[0]),
-        }
+        call = dict(side=side, point=point.key, rep=rep, requests=len(prompts), prompt_len=len(prompts[0]))
         delta = counter_delta(before, path_counters(engines[side]))
         if delta is not None:
             path_steps.append({**call, **delta})
@@ -357,18 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     def after_repetition(rep: int, order: list[str], raw: dict[str, Raw]) -> bool:
         ends.append(time.perf_counter())
         elapsed = ends[-1] - started
-        print(
-            f"[{time.strftime('%H:%M:%S')}] repetition {rep}/{args.reps} done (order {order}) in "
-            f"{ends[-1] - ends[-2]:.0f} s, {elapsed:.0f} s since the start",
-            flush=True,
-        )
+        took = f"in {ends[-1] - ends[-2]:.0f} s, {elapsed:.0f} s since the start"
+        common.stamp(f"repetition {rep}/{args.reps} done (order {order}) {took}")
         # Raw, before any arithmetic on it, after every repetition: a run cut short keeps what it timed.
         common.write_json(args.json, {**header, **raw, "timed_repetitions": rep})
         return keep_going(rep, elapsed, ends[-1] - ends[-2], args.stop_after)
 
-    raw = take_turns(
-        points, labels, args.reps, vocab, warm, timed, after_repetition, own_tokens=sharing_an_engine(sides)
-    )
+    shared = workload.sharing_an_engine(sides)
+    raw = take_turns(points, labels, args.reps, vocab, warm, timed, after_repetition, own_tokens=shared)
     table = tabulate(
         points, labels, args.baseline, raw["seconds"], raw["output_tokens"], raw["cached_tokens"]
     )
@@ -389,20 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
     if compared_lines := comparison_lines(compared):
         print("\n".join(compared_lines), flush=True)
-    common.write_json(
-        args.json,
-        {
-            **header,
-            **raw,
-            "table": table,
-            "markdown": lines,
-            "notes": notes,
-            **compared,
-            "engines_after": after,
-            "path_steps": path_steps,
-            "memory": memory,
-        },
-    )
+    results = dict(table=table, markdown=lines, notes=notes, **compared, engines_after=after)
+    common.write_json(args.json, {**header, **raw, **results, "path_steps": path_steps, "memory": memory})
     return 0
 
 

@@ -1,25 +1,16 @@
-#!/usr/bin/env python3
 """One MLA layer's attention over cached context: vLLM's prefill plan, the shared plan, its decode path (GPU).
 
     python -m scripts.bench shared_prefix_layer [--backend FLASH_ATTN] [--requests 16] [--prefix 32768]
         [--private 0] [--private-only] [--new 32,128,512,1024] [--sides vllm,shared,absorbed,shared_absorbed]
         [--num-splits 0] [--repeats 10] [--json out.json]
 
-DeepSeek-R1's MLA as one GPU of TP=8 sees it (16 heads), bf16, block size 64, vLLM's 64k-row context
-workspace. ``--requests`` requests hold the same ``--prefix`` cached tokens, then ``--private`` cached
-tokens of their own (``--private-only``: no shared prefix), and add ``--new`` tokens each. Sides:
-``vllm`` (vLLM's prefill plan: each request's whole context gathered and up-projected in workspace
-passes), ``shared`` (the prefix gathered and up-projected once, one attention of every member's queries
-over it, then each private context), both through ``shared_prefix.execute.compute_context`` with the
-same backend, context part only; ``absorbed`` (vLLM's decode path for the same requests: the W_UK bmm,
-FA3's paged call as ``FlashAttnMLAImpl.forward_mqa`` makes it, the W_UV bmm; ``--num-splits``: the
-builder's ``max_num_splits``), which also covers the new tokens' own attention; ``shared_absorbed`` (the
-shared-prefix decode candidate: the same absorption, one call of every request's queries over the prefix's
-pages, one over each request's own pages, vLLM's LSE merge; ``--new 1`` is a decode step). Medians of
-``--repeats`` CUDA-event timings after warm-up (``plan_ms``: the planning, not in them); the two
-plans' outputs compared, and a small case against float64. Per point: the fastest side and the
-router's time model (``routing.route_cost``) next to the measured ``absorbed_ms / shared_ms``, and
-whether the router's decision (``ROUTE_BELOW``) matches. Results: docs/benchmarks.md.
+DeepSeek-R1's MLA as one GPU of TP=8 sees it, bf16, block size 64. Sides: ``vllm`` and ``shared`` (the two
+prefill plans' context part, through ``shared_prefix.execute.compute_context``; ``plan_ms``: the shared
+plan's planning, not timed), ``absorbed`` (vLLM's decode path, which also covers the new tokens' own
+attention) and ``shared_absorbed`` (the shared-prefix decode candidate; ``--new 1``: a decode step).
+CUDA-event medians after warm-up; the outputs compared, and a small case against float64; per point the
+router's prediction and decision next to the measurement. What each side runs, and results:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,21 +31,14 @@ WORKSPACE_ROWS = 65536  # vLLM 0.20's cap on the context workspace (min(max(8 x 
 
 
 def parse_sides(text: str) -> tuple[str, ...]:
-    """``--sides``: some of vllm, shared, absorbed, comma-separated, each once (run in that order)."""
+    """``--sides``: some of vllm, shared, absorbed, shared_absorbed, each once (run in that order)."""
     sides = tuple(s.strip().lower() for s in text.split(","))
-    for side in sides:
-        if side not in (*SIDES, *DECODE_SIDES):
-            raise ValueError(f"unknown side {side!r} (sides: {', '.join((*SIDES, DECODE_SIDES[1]))})")
+    if unknown := [s for s in sides if s not in (*SIDES, *DECODE_SIDES)]:
+        known = ", ".join((*SIDES, DECODE_SIDES[1]))
+        raise argparse.ArgumentTypeError(f"unknown side {unknown[0]!r} (sides: {known})")
     if len(set(sides)) != len(sides):
-        raise ValueError(f"a side is listed twice in {text!r}")
+        raise argparse.ArgumentTypeError(f"a side is listed twice in {text!r}")
     return sides
-
-
-def _sides_arg(text: str) -> tuple[str, ...]:
-    try:
-        return parse_sides(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def backend_class(name: str) -> type:
@@ -188,17 +172,17 @@ def point_row(new: int, times: dict, plan_ms: float | None, diffs: dict, predict
 
 def make_parser() -> argparse.ArgumentParser:
     parser = common.parser(__doc__)
-    parser.add_argument("--backend", default="FLASH_ATTN")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prefix", type=int, default=32768)
-    parser.add_argument("--private", type=int, default=0)
+    parser.add_argument("--backend", default="FLASH_ATTN", help="the plans' prefill backend")
+    parser.add_argument("--requests", type=int, default=16, help="requests sharing the prefix")
+    parser.add_argument("--prefix", type=int, default=32768, help="cached tokens they share")
+    parser.add_argument("--private", type=int, default=0, help="cached tokens of each one's own")
     parser.add_argument("--private-only", action="store_true", help="no shared prefix: only --private each")
-    parser.add_argument("--new", default="32,128,512,1024")
+    parser.add_argument("--new", default="32,128,512,1024", help="new tokens per request, per point")
     parser.add_argument(
-        "--sides", type=_sides_arg, default=SIDES, help="some of vllm,shared,absorbed,shared_absorbed"
+        "--sides", type=parse_sides, default=SIDES, help="vllm,shared,absorbed,shared_absorbed"
     )
     parser.add_argument("--num-splits", type=int, default=0, help="the absorbed call's max_num_splits")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per side (median)")
     parser.add_argument("--json", help="write the results here")
     return parser
 

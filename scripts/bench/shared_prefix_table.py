@@ -67,9 +67,6 @@ def _seconds_cell(cell: dict[str, Any]) -> str:
     return text
 
 
-_markdown = markdown_table
-
-
 def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: str | None) -> list[str]:
     """The table in Markdown: seconds are medians; a ratio is ``median [min-max]`` of the paired ratios."""
     others = [s for s in sides if s != baseline] if baseline in sides else []
@@ -83,7 +80,7 @@ def markdown(table: Sequence[dict[str, Any]], sides: Sequence[str], baseline: st
             r = row["ratios"][s]
             cells.append(f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
         rows.append(cells)
-    return _markdown(columns, rows)
+    return markdown_table(columns, rows)
 
 
 def _timed(seconds: Raw, side: str, key: str, reps: int) -> bool:
@@ -125,7 +122,7 @@ def lifetime_table(seconds: Raw, sides: Sequence[str], stock: Sequence[str]) -> 
     if not rows:
         return []
     columns = ["point", "side", "lowest vs a stock lifetime", "highest", "below stock's own lowest by"]
-    return _markdown(columns, rows)
+    return markdown_table(columns, rows)
 
 
 def bootstrap_interval(values: Sequence[float], resamples: int, seed: str) -> tuple[float, float]:
@@ -168,7 +165,7 @@ def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> l
     if not rows:
         return []
     columns = ["point", "host / pause side", "pairs", "median [95% interval]", "min-max"]
-    return _markdown(columns, rows)
+    return markdown_table(columns, rows)
 
 
 COMPARISONS = {

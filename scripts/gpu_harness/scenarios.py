@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.bench.common import stamp
+
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_runner.py"
 MAKE_CHECKPOINT = HERE / "make_sharp_checkpoint.py"
@@ -120,10 +122,6 @@ SCENARIOS = {
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
 SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 1]
 SHARED_TP2_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 2]
-
-
-def stamp(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def default_model_dir(results: Path) -> Path:

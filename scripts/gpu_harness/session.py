@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from scripts.bench.common import stamp
 from scripts.gpu_harness import ray_cluster
 from scripts.gpu_harness.scenarios import (
     SCENARIOS,
@@ -34,7 +35,6 @@ from scripts.gpu_harness.scenarios import (
     command,
     default_model_dir,
     ensure_checkpoint,
-    stamp,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
