@@ -49,6 +49,11 @@ def _reached_vllm(*args: Any, **kwargs: Any) -> None:
     raise _ReachedVllm
 
 
+def _unset_attribute(self: Any, name: str) -> None:
+    """The probe skips ``__init__``: what it would have set reads as None (an unset option)."""
+    return None
+
+
 def _reaches_vllm(method: Any) -> bool:
     """Whether calling ``method`` (bound to a probe) with None for each required argument reaches vLLM's."""
     params = inspect.signature(method).parameters.values()
@@ -70,7 +75,8 @@ def own_prefill_method(impl_cls: type, common_impl: type) -> str | None:
 
     Each override is called on a probe: an instance of ``impl_cls`` whose MRO has, just before
     ``common_impl``, stand-ins for vLLM's prefill methods that raise. A thin override that calls
-    ``super()`` (TritonMLAImpl's) reaches them; one that runs its own kernel does not.
+    ``super()`` (TritonMLAImpl's, after reading its options) reaches them; one that runs its own
+    kernel does not.
     """
     below = impl_cls.__mro__[: impl_cls.__mro__.index(common_impl)]
     overridden = [name for name in PREFILL_METHODS if any(name in klass.__dict__ for klass in below)]
@@ -80,6 +86,7 @@ def own_prefill_method(impl_cls: type, common_impl: type) -> str | None:
         stand_in = types.new_class("VllmPrefillStandIn", (common_impl,))
         for name in PREFILL_METHODS:
             setattr(stand_in, name, _reached_vllm)
+        stand_in.__getattr__ = _unset_attribute
         probe_cls = types.new_class("PrefillProbe", (impl_cls, stand_in))
         probe = probe_cls.__new__(probe_cls)
     except TypeError:  # no probe can be built for this class (its layout or metaclass): keep vLLM's
