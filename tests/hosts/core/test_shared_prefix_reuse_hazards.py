@@ -130,7 +130,9 @@ def life(request: pytest.FixtureRequest, clean_selection: pytest.MonkeyPatch, mo
     clean_selection.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "V2" else "0")
     clean_selection.setattr(costs, "GROUP_VALUE", FlopCostModel())
     core = importlib.import_module(VLLM_ENGINE_CORE_MODULE)
-    assert engine_core.INSTRUMENTOR.is_instrumented(), engine_core.INSTRUMENTOR.report()["problem"]
+    # on (and off after) as the other engine-core tests leave it: one of them may have run first
+    assert engine_core.INSTRUMENTOR.instrument(core), engine_core.INSTRUMENTOR.report()["problem"]
+    request.addfinalizer(lambda: engine_core.INSTRUMENTOR.uninstrument(core))
     cfg = host.make_vllm_config(model_dirs["yarn"])
     cfg.cache_config.enable_prefix_caching = True
     twins = TwinSchedulers(core, cfg, num_blocks=19, block_size=BS)
