@@ -54,7 +54,7 @@ def crossover(rows: Sequence[dict[str, Any]], route_below: float) -> dict[str, A
     points = []
     gain = 1 / route_below
     for row in rows:
-        times = {s: row[f"{s}_ms"] for s in SIDES if f"{s}_ms" in row}
+        times = {s: row[f"{s}_ms"] for s in (*SIDES, "shared_absorbed") if f"{s}_ms" in row}
         point = dict(new=row["new"], fastest=min(times, key=times.get) if times else None)
         point.update(measured_ratio=row.get("absorbed_over_shared"), predicted_ratio=row["predicted_ratio"])
         point["router_moves"] = row["router_moves"]

@@ -245,6 +245,8 @@ def test_the_crossover_names_the_fastest_side_and_judges_each_decision_by_the_sa
     lines = bench.crossover_lines(s)
     assert "(wrong)" in lines[2] and "(wrong)" not in lines[1] and "decided wrong" in lines[-1]
     assert "every point decided as measured" in bench.crossover_lines(fits)[-1]
+    decode = dict(row(1, None, None, 0.94, 0.3), shared_absorbed_ms=0.35)  # the decode candidate is measured
+    assert bench.crossover([decode], 0.8)["points"][0]["fastest"] == "shared_absorbed"
 
 
 def _runner_batch(table, context_lens, new):
