@@ -113,14 +113,19 @@ def prepare_absorbed(
 
 
 def prepare_shared_absorbed(
-    case: dict, device: Any, attention: Callable | None = None, merge: Callable | None = None
+    case: dict,
+    device: Any,
+    attention: Callable | None = None,
+    merge: Callable | None = None,
+    num_splits: int = 0,
 ) -> Callable[[], Any]:
     """The shared-prefix decode candidate for the case's requests on one layer: [T, H x 128].
 
     Every query sits after the whole shared prefix, so one non-causal call of all the requests' queries
     (one sequence) reads the prefix's pages once; a causal call reads each request's own pages (private
     context and new tokens); ``merge_attn_states`` combines the two by their LSEs. Metadata is built once
-    (fixed shapes, as a captured CUDA graph needs). ``attention``/``merge``: reference kernels on a CPU.
+    (fixed shapes, as a captured CUDA graph needs). ``attention``/``merge``: reference kernels on a CPU;
+    ``num_splits``: FA3's split of the prefix call (0: its heuristic; one long sequence may want more).
     """
     import torch
 
@@ -137,7 +142,7 @@ def prepare_shared_absorbed(
     own_lens = [n - prefix for n in case["seq_lens"]]
     i32 = dict(dtype=torch.int32, device=device)
     common = dict(k=cache[..., rank:].unsqueeze(-2), v=cache[..., :rank].unsqueeze(-2), fa_version=3)
-    common.update(softmax_scale=(nope + rope) ** -0.5, return_softmax_lse=True, num_splits=0)
+    common.update(softmax_scale=(nope + rope) ** -0.5, return_softmax_lse=True)
     shared = dict(
         block_table=table[:1, :pages].contiguous().to(device), seqused_k=torch.tensor([prefix], **i32)
     )
@@ -152,8 +157,10 @@ def prepare_shared_absorbed(
     def run() -> torch.Tensor:
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)
-        prefix_out, prefix_lse = attention(q=q_pe, q_v=ql_nope, causal=False, **shared, **common)
-        own_out, own_lse = attention(q=q_pe, q_v=ql_nope, causal=True, **own, **common)
+        prefix_out, prefix_lse = attention(
+            q=q_pe, q_v=ql_nope, causal=False, **shared, **common, num_splits=num_splits
+        )
+        own_out, own_lse = attention(q=q_pe, q_v=ql_nope, causal=True, **own, **common, num_splits=0)
         merge(latent, prefix_out, prefix_lse, own_out, own_lse)
         v_up_proj(latent, w_uv, output)
         return output

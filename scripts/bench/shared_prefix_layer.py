@@ -182,6 +182,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--sides", type=parse_sides, default=SIDES, help="vllm,shared,absorbed,shared_absorbed"
     )
     parser.add_argument("--num-splits", type=int, default=0, help="the absorbed call's max_num_splits")
+    parser.add_argument(
+        "--shared-splits", type=int, default=0, help="shared_absorbed's prefix call's num_splits"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per side (median)")
     parser.add_argument("--json", help="write the results here")
     return parser
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             if side == "absorbed":
                 run = prepare_absorbed(case, device, args.num_splits)
             elif side == "shared_absorbed":
-                run = prepare_shared_absorbed(case, device)
+                run = prepare_shared_absorbed(case, device, num_splits=args.shared_splits)
             else:
                 t0 = time.perf_counter()
                 _, run = prepare(case, cls, side == "shared", device)

@@ -111,9 +111,8 @@ def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_
 ):
     case = bench.make_case(4, 256, private, new, "cpu", seed=3)
     calls = []
-    run = bench.prepare_shared_absorbed(
-        case, "cpu", attention=lambda **kw: paged_latent_attention(calls, **kw), merge=lse_merge
-    )
+    attention = lambda **kw: paged_latent_attention(calls, **kw)  # noqa: E731
+    run = bench.prepare_shared_absorbed(case, "cpu", attention=attention, merge=lse_merge, num_splits=8)
     out = run().view(case["q"].shape[0], bench.R1_TP8["num_heads"], -1).double()
     ref, _ = bench.whole_reference(case, decode=True)
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
@@ -121,6 +120,7 @@ def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_
     assert shared["block_table"].tolist() == [list(range(4))] and shared["seqused_k"].tolist() == [256]
     assert not shared["causal"] and shared["cu_seqlens_q"].tolist() == [0, 4 * new]  # one call, every query
     assert own["causal"] and own["seqused_k"].tolist() == [private + new] * 4
+    assert shared["num_splits"] == 8 and own["num_splits"] == 0  # --shared-splits: the prefix call's only
 
 
 def test_the_decode_table_gives_each_request_its_own_new_blocks():
