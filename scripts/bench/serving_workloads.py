@@ -57,11 +57,12 @@ PRESETS |= {w.name: (w,) for ws in list(PRESETS.values()) for w in ws}  # each w
 
 def select(text: str) -> list[Workload]:
     """``bursts-32k,free-2k-8rps`` -> those presets' workloads (a workload's name: itself), in order, once."""
-    if unknown := [p for p in map(str.strip, text.split(",")) if p not in PRESETS]:
+    names = [p.strip() for p in text.split(",")]
+    if unknown := [p for p in names if p not in PRESETS]:
         raise ValueError(
             f"unknown workloads {unknown}: presets {', '.join(p for p in PRESETS if p[-1] != 's')}"
         )
-    return list({w.name: w for p in map(str.strip, text.split(",")) for w in PRESETS[p]}.values())
+    return list({w.name: w for p in names for w in PRESETS[p]}.values())
 
 
 def client_command(port: int, model: str, tokenizer: Path, seed: int, flags: tuple, out: Path) -> list[str]:
