@@ -5,6 +5,8 @@ Used by the ``check`` command, the tests and the GPU verification suite.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -119,3 +121,29 @@ def merge_attn_states_any(
         )
         return out, lse
     return merge_attn_states_torch(prefix_output, prefix_lse, suffix_output, suffix_lse)
+
+
+def paged_latent_attention(kv_cache: torch.Tensor, scale: float, dtype: torch.dtype = torch.float64) -> Any:
+    """The shared-prefix decode's ``Attend`` in plain torch, over a paged latent cache ``[blocks, block_size,
+    rank + rope]`` (decode calls on a CPU, and a check of a kernel; computed in ``dtype``)."""
+    cache = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], -1)
+    block_size = kv_cache.shape[1]
+
+    def attend(q_pe, q_nope, block_table, seq_lens, cu_queries, max_queries, max_keys, causal):
+        rank = q_nope.shape[-1]
+        heads = q_pe.shape[1]
+        outs, lses = [], []
+        for i in range(seq_lens.shape[0]):
+            lo, hi, n = int(cu_queries[i]), int(cu_queries[i + 1]), int(seq_lens[i])
+            pages = block_table[i, : -(-n // block_size)].long()
+            slots = (pages.view(-1, 1) * block_size + torch.arange(block_size)).view(-1)[:n]
+            keys = cache[slots]  # [n, rank + rope]
+            q = torch.cat([q_nope[lo:hi], q_pe[lo:hi]], dim=-1)
+            k = torch.cat([keys[:, :rank], keys[:, rank:]], dim=-1).unsqueeze(1).expand(n, heads, -1)
+            v = keys[:, :rank].unsqueeze(1).expand(n, heads, -1)
+            o, s = reference_attention(q, k, v, scale, causal, dtype)
+            outs.append(o.to(q_pe.dtype))
+            lses.append(s.float())
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    return attend

@@ -1,0 +1,124 @@
+"""Shared-prefix decode on the CPU: the step's groups, and one layer's decode attention split into one shared
+call per group plus every row's own pages, merged by LSE, against vLLM's one paged call (both in the float64
+reference kernel). Sharp latents and queries, so that a wrong key set, a dropped LSE or a scale 2% off shows.
+
+The step: six decode rows (one new token each, the cache holding it); rows 0-3 share 3 full blocks, row 3
+holds a 4th full block of its own and rows 0-2 a partly filled last block; rows 4 and 5 share nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from mla_prefill_ext.shared_prefix.decode import (
+    DECODE_CROSSOVER,
+    DecodeCrossover,
+    decode_attention,
+    plan_decode,
+)
+from mla_prefill_ext.testing.reference import merge_attn_states_torch, paged_latent_attention
+
+BS, RANK, ROPE, HEADS, SCALE = 4, 32, 8, 4, 0.3
+EVERY_GROUP = DecodeCrossover(min_members=2, min_shared_tokens=BS)
+SEQ_LENS = np.array([14, 15, 13, 17, 6, 9])
+ROWS = np.array(
+    [
+        [0, 1, 2, 3, 0],
+        [0, 1, 2, 4, 0],
+        [0, 1, 2, 5, 0],
+        [0, 1, 2, 6, 7],
+        [8, 9, 0, 0, 0],
+        [10, 11, 12, 0, 0],
+    ],
+    dtype=np.int32,
+)
+
+
+def step(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(13, BS, RANK + ROPE, generator=g) * 3
+    q = torch.randn(len(SEQ_LENS), HEADS, RANK + ROPE, generator=g) * 3
+    return cache, q[..., RANK:].contiguous(), q[..., :RANK].contiguous()
+
+
+def vllm_decode(attend, q_pe, q_nope):
+    """vLLM's call: every row over all of its pages, causal, one query each."""
+    n = len(SEQ_LENS)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    return attend(q_pe, q_nope, torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS), cu, 1, 17, True)
+
+
+def shared_decode(attend, q_pe, q_nope, value=EVERY_GROUP, merge=merge_attn_states_torch):
+    plan = plan_decode(ROWS, SEQ_LENS, np.ones_like(SEQ_LENS), BS, value)
+    assert plan is not None
+    device_plan = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
+    cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
+    return plan, decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge)
+
+
+def test_the_plan_groups_the_rows_that_share_full_context_blocks():
+    plan = plan_decode(ROWS, SEQ_LENS, np.ones_like(SEQ_LENS), BS, EVERY_GROUP)
+    assert [g.members.tolist() for g in plan.groups] == [[0, 1, 2, 3]]
+    assert plan.groups[0].block_ids.tolist() == [0, 1, 2]
+    device = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
+    assert device.own_seq_lens.tolist() == [2, 3, 1, 5, 6, 9]  # each keeps its new token
+    assert device.own_block_table[3, :2].tolist() == [6, 7]
+    assert device.own_block_table[4].tolist() == ROWS[4].tolist()  # not a member: vLLM's row
+
+
+def test_the_crossover_serves_only_what_was_measured_faster():
+    many = np.tile(np.arange(600, dtype=np.int32), (64, 1))
+    lens = np.full(64, 512 * 64 + 7)
+    assert plan_decode(many, lens, np.ones(64, dtype=np.int64), 64, DECODE_CROSSOVER) is not None
+    assert plan_decode(many[:32], lens[:32], np.ones(32, dtype=np.int64), 64, DECODE_CROSSOVER) is None
+    short = np.full(64, 128 * 64 + 7)  # an 8k prefix: slower than vLLM's decode
+    assert plan_decode(many, short, np.ones(64, dtype=np.int64), 64, DECODE_CROSSOVER) is None
+    spec = np.full(64, 4)  # four new tokens a row (speculative decoding): slower
+    assert plan_decode(many, lens, spec, 64, DECODE_CROSSOVER) is None
+
+
+def test_shared_decode_equals_vllms_call():
+    cache, q_pe, q_nope = step()
+    attend = paged_latent_attention(cache, SCALE)
+    want, want_lse = vllm_decode(attend, q_pe, q_nope)
+    _, (out, lse) = shared_decode(attend, q_pe.clone(), q_nope.clone())
+    torch.testing.assert_close(out.double(), want.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def _scaled_shared_call(attend_at):
+    """A kernel whose non-causal (shared) calls run at a scale 2% off."""
+    right, wrong = attend_at(SCALE), attend_at(SCALE * 1.02)
+
+    def attend(*args):
+        return (right if args[-1] else wrong)(*args)
+
+    return attend
+
+
+@pytest.mark.parametrize("fault", ["other-prefix", "drop-segment-lse", "segment-scale"])
+def test_a_wrong_shared_decode_fails_the_comparison(fault):
+    """What the GPU parity scenarios' decode mutants do, shown failing the CPU check."""
+    cache, q_pe, q_nope = step()
+    attend = paged_latent_attention(cache, SCALE)
+    want, _ = vllm_decode(attend, q_pe, q_nope)
+    kwargs = {}
+    if fault == "other-prefix":
+        plan = plan_decode(ROWS, SEQ_LENS, np.ones_like(SEQ_LENS), BS, EVERY_GROUP)
+        device_plan = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
+        device_plan.groups[0].prefix_row[0, 2] = 12  # the third shared block read from another page
+        cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
+        out, _ = decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge_attn_states_torch)
+    else:
+        if fault == "drop-segment-lse":
+            kwargs["merge"] = lambda po, pl, so, sl: merge_attn_states_torch(po, torch.zeros_like(pl), so, sl)
+        else:
+            attend = _scaled_shared_call(functools.partial(paged_latent_attention, cache))
+        _, (out, _) = shared_decode(attend, q_pe, q_nope, **kwargs)
+    members = slice(0, 4)
+    assert (out[members].double() - want[members].double()).abs().max() > 1e-2
+    torch.testing.assert_close(out[4:].double(), want[4:].double(), rtol=1e-5, atol=1e-5)
