@@ -604,3 +604,22 @@ def test_requests_that_share_nothing_do_not_push_a_shared_prefix_out(vllm_hasher
     tokens = prefix + [7] * BLOCK
     assert request(tokens, reusing).block_hashes == request(tokens, vllm_hasher()).block_hashes
     assert reusing.reused_blocks - before == 30
+
+
+def test_what_the_hasher_keeps_is_read_by_held_and_stays_within_its_donors(vllm_hasher):
+    """A soak reads the hasher's memory through ``held()``: after many bursts over one prefix mixed with
+    requests that share nothing, it keeps DONORS of each kind, the shared ones' tokens copied."""
+    reusing = ReusingHasher(vllm_hasher(), BLOCK)
+    assert reusing.held() == {"donors": 0, "donor_tokens": 0, "donor_hashes": 0, "sharing": 0}
+    prefix = list(range(800_000, 800_000 + 30 * BLOCK))
+    n = 3 * prefix_hashes.DONORS
+    for i in range(n):
+        request(prefix + [i] * BLOCK, reusing)
+        request(list(range(900_000 + 1000 * i, 900_000 + 1000 * i + 20 * BLOCK)), reusing)
+    donors = prefix_hashes.DONORS
+    assert reusing.held() == {
+        "donors": 2 * donors,
+        "donor_tokens": donors * 31 * BLOCK,  # the shared kind only: the others are held weakly
+        "donor_hashes": donors * 31 + donors * 20,
+        "sharing": n - 1,  # every request over the prefix after the first
+    }

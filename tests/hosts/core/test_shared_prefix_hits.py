@@ -487,3 +487,22 @@ def test_paused_vllm_looks_every_block_up_and_the_reuse_resumes_after(hasher, pa
     assert (hits.looked_up, hits.reused_hits) == (128, 0)  # the stale memo gave way to vLLM's lookup
     same(3)
     assert (hits.looked_up, hits.reused_hits) == (128, 64)  # the new memo lends
+
+
+def test_what_the_hits_keep_is_read_by_held_and_stays_within_their_memos(hasher):
+    """A soak reads the hits' memory through ``held()``: many prefixes looked up twice (a memo of its
+    own) and three times (the third lends: a shared memo) leave MEMOS of each kind."""
+    kv = manager(8192)
+    hits = with_hits(kv)
+    assert hits.held() == {"memos": 0, "memo_blocks": 0}
+    for i in range(3 * prefix_hits.MEMOS):
+        for kind, times in (("own", 2), ("shared", 3)):
+            start = 10_000 * (i + 1) + (5_000 if kind == "shared" else 0)
+            for j in range(times):  # the first caches the prefix, the next look it up
+                req = request([*range(start, start + 8 * BLOCK), j], hasher, f"{kind}{i}-{j}")
+                computed, n = kv.get_computed_blocks(req)[:2]
+                kv.allocate_slots(req, req.num_tokens - n, n, computed)
+                kv.free(req)
+    held = hits.held()
+    assert prefix_hits.MEMOS < held["memos"] <= 2 * prefix_hits.MEMOS  # both kinds kept, each bounded
+    assert held["memo_blocks"] == 8 * held["memos"]

@@ -573,6 +573,8 @@ def test_the_host_block_table_is_found_for_the_runners_device_view_only(activate
     assert rows is not None and rows[0, :2].tolist() == [3, 4] and rows[1, 0] == 5
     other = host.prefill_batch([1, 1], [20, 4], torch.zeros(2, 8, dtype=torch.int32), BS, req_idx=req_idx)
     assert block_tables.host_rows(other) is None  # a tensor the runner did not hand out
+    held = block_tables.held()  # what a soak reads: the table it found is remembered
+    assert held["twins" if req_idx is None else "mirror_addresses"] >= 1
     if req_idx is None:
         narrowed = host.prefill_batch([1, 1], [4, 4], device[:, :1], BS)
         assert block_tables.host_rows(narrowed) is None  # same address, another layout
@@ -589,6 +591,7 @@ def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_comin
     if needs.problems("plan", "V2"):
         pytest.skip(f"the path does not read the V2 runner here: {needs.problems('plan', 'V2')[0]}")
     rng = np.random.default_rng(seed)
+    block_tables.forget()  # earlier tests' tables, remembered by address: this test's alone below
     tables = v2_tables(BS, max_num_reqs=8, max_blocks=32)
     live: dict[int, int] = {}
     for _ in range(40):
@@ -604,6 +607,9 @@ def test_the_v2_mirror_holds_what_vllms_block_tables_hold_through_requests_comin
                 n = int(tables.num_blocks.np[0, r])
                 assert n == live[r]
                 assert rows[batch_row, :n].tolist() == tables.block_tables[0].gpu[r, :n].tolist()
+    # The mirror grows with the runner's rows and blocks, by doubling: never past twice its table.
+    rows = 2 * tables.max_num_reqs
+    assert 0 < block_tables.held()["mirror_bytes"] <= rows * (2 * 32) * 4 + rows * 8
 
 
 def test_paused_the_plan_leaves_the_step_to_vllm_and_routing_leaves_the_threshold(

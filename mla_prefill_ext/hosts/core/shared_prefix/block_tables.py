@@ -72,7 +72,12 @@ class Mirror:
         table = self.rows[group]
         if table.shape[0] >= rows and table.shape[1] >= cols:
             return
-        grown = np.zeros((max(rows, 2 * table.shape[0]), max(cols, 2 * table.shape[1])), dtype=np.int32)
+        # Each dimension doubles only where it is short (rows doubling with every wider row grew the
+        # mirror past twice the runner's table).
+        height, width = table.shape
+        height = max(rows, 2 * height) if height < rows else height
+        width = max(cols, 2 * width) if width < cols else width
+        grown = np.zeros((height, width), dtype=np.int32)
         grown[: table.shape[0], : table.shape[1]] = table
         self.rows[group] = grown
         counts = np.zeros(grown.shape[0], dtype=np.int64)
@@ -132,6 +137,16 @@ def host_rows(common: Any) -> np.ndarray | None:
     if host is None or host.ndim != 2 or host.shape[1] != width or host.shape[0] < rows:
         return None
     return host
+
+
+def held() -> dict[str, int]:
+    """What this process keeps of the runners' block tables (read-only, for soaks and reports): the V1
+    host twins and V2 gathered tables remembered by address, and the bytes of the V2 host mirrors."""
+    with _LOCK:
+        mirrors = {id(mirror): mirror for mirror, _ in _MIRRORS.values()}
+        twins, addresses = len(_TWINS), len(_MIRRORS)
+    tables = [a for m in mirrors.values() for a in (*m.rows, *m.counts)]
+    return {"twins": twins, "mirror_addresses": addresses, "mirror_bytes": sum(a.nbytes for a in tables)}
 
 
 def forget() -> None:

@@ -235,6 +235,18 @@ class ReusingHasher:
             self._remember(donor, at, k)
         return hashes
 
+    def held(self) -> dict[str, int]:
+        """What this hasher keeps between requests (read-only, for soaks and reports): donors, the tokens
+        copied and the hashes they hold, and the ``sharing`` record's entries."""
+        with self._lock:
+            donors = list(self._donors)
+        return {
+            "donors": len(donors),
+            "donor_tokens": sum(len(d.tokens) for d in donors if d.tokens is not None),
+            "donor_hashes": sum(len(d.hashes) for d in donors),
+            "sharing": len(self.sharing),
+        }
+
     def _turn_off(self, difference: str) -> None:
         """Stop reusing in this engine (its hits too), saying why once."""
         self.off = f"the first reused hashes differ from vLLM's own: {difference}"

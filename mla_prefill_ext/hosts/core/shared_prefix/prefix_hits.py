@@ -176,6 +176,13 @@ class PrefixHits:
                 self._remember(_Memo(block_hashes[: len(hit)], list(hit), keys, k > 0), at)
         return result
 
+    def held(self) -> dict[str, int]:
+        """What this coordinator's hits keep between lookups (read-only, for soaks and reports): memos and
+        the blocks they name (the pool's own blocks: references, not copies)."""
+        with self._lock:
+            memos = list(self._memos)
+        return {"memos": len(memos), "memo_blocks": sum(len(m.blocks) for m in memos)}
+
     def _longest(self, block_hashes: list[Any], limit: int) -> tuple[int, int]:
         best, best_at = 0, -1
         for at, memo in enumerate(self._memos):
