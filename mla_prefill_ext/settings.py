@@ -32,6 +32,7 @@ DISABLE_ENV = "MLA_PREFILL_EXT_DISABLE"
 ENV_VARS = (BACKEND_ENV, OVERRIDES_ENV, DISABLE_ENV)
 SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"
 SHARED_PREFIX_KEY = "mla_prefill_shared_prefix"
+SHARED_DECODE_ENV = "MLA_PREFILL_SHARED_DECODE"
 GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"
 GATHER_DEFAULT_MS = 100.0  # on the H200: a 16-request burst over a 32k prefix reached the queue in 27-68 ms
 
@@ -100,13 +101,24 @@ def shared_prefix_setting(additional_config: Any = None) -> tuple[bool, str]:
     then :data:`SHARED_PREFIX_ENV` (``0``/``false``/``no``/``off`` turn it off). A value that is
     neither raises, naming where it came from.
     """
-    value = additional_config.get(SHARED_PREFIX_KEY) if isinstance(additional_config, dict) else None
+    return _switch(additional_config, SHARED_PREFIX_KEY, SHARED_PREFIX_ENV, True)
+
+
+def shared_decode_setting() -> tuple[bool, str]:
+    """Whether the shared-prefix path also serves decode rows, and where that was said: off unless
+    :data:`SHARED_DECODE_ENV` turns it on (read at import, in every vLLM process, as
+    :func:`shared_prefix_setting` reads its switch), until its token parity is shown on a GPU."""
+    return _switch(None, "", SHARED_DECODE_ENV, False)
+
+
+def _switch(additional_config: Any, key: str, env: str, default: bool) -> tuple[bool, str]:
+    value = additional_config.get(key) if isinstance(additional_config, dict) else None
     if value is not None:
-        source = f"additional_config['{SHARED_PREFIX_KEY}']"
+        source = f"additional_config['{key}']"
     else:
-        value, source = os.environ.get(SHARED_PREFIX_ENV), SHARED_PREFIX_ENV
+        value, source = os.environ.get(env), env
     if value is None or (isinstance(value, str) and not value.strip()):
-        return True, "the default"
+        return default, "the default"
     if isinstance(value, bool):
         return value, source
     word = str(value).strip().lower()
@@ -282,6 +294,6 @@ def mismatch(stamp: Any) -> str | None:
 def ask_vllm_to_copy_to_ray() -> None:
     """Add our variables to vLLM's list of those it copies to Ray actors (idempotent)."""
     listed = [v.strip() for v in os.environ.get(RAY_COPY_LIST_ENV, "").split(",") if v.strip()]
-    missing = [v for v in (*ENV_VARS, SHARED_PREFIX_ENV) if v not in listed]
+    missing = [v for v in (*ENV_VARS, SHARED_PREFIX_ENV, SHARED_DECODE_ENV) if v not in listed]
     if missing:
         os.environ[RAY_COPY_LIST_ENV] = ",".join([*listed, *missing])

@@ -135,7 +135,7 @@ def choice_report(disabled: bool, bridged: bool = False) -> ChoiceReport:
 def _need_label(need: dict[str, Any]) -> str:
     if need["problem"] is None:
         return "ok     "
-    return "PROBLEM" if need["picked"] else "-      "
+    return "-      " if need["unused"] else "PROBLEM"
 
 
 @dataclass
@@ -253,7 +253,7 @@ class InfoReport(Report):
                 f"    {_need_label(n)}  {n['part']}, {n['runner']}: "
                 f"{n['module']}.{n['attribute']}: {n['what']}"
                 + (f": {n['problem']}" if n["problem"] else "")
-                + ("" if n["picked"] else f" (vLLM does not pick its {n['runner']} runner here)")
+                + (f" ({n['unused']})" if n["unused"] else "")
                 for n in sp["needs"]
             ]
         return lines

@@ -80,15 +80,26 @@ def shared_prefix_report(disabled: bool) -> dict[str, Any]:
 
 def _needs_rows() -> list[dict[str, Any]]:
     """Each row of the path's table (:mod:`.core.shared_prefix.needs`) for the runners this vLLM has,
-    with its outcome here (``problem`` None: it holds) and whether vLLM may pick its runner here."""
+    with its outcome here (``problem`` None: it holds) and, where it will not be read here, why not
+    (``unused``: vLLM does not pick its runner here, or the part is turned off)."""
     from mla_prefill_ext.hosts.core.shared_prefix import needs, switch
+    from mla_prefill_ext.settings import SHARED_DECODE_ENV, shared_decode_setting
 
     here, picked = needs.runners_here(), switch.runners_picked()
+    decode_on, _ = shared_decode_setting()
+
+    def unused(need: needs.Need) -> str | None:
+        if need.runner != needs.ANY and need.runner not in picked:
+            return f"vLLM does not pick its {need.runner} runner here"
+        if need.part == "decode" and not decode_on:
+            return f"decode rows are off: {SHARED_DECODE_ENV}=1 turns them on"
+        return None
+
     return [
         {
             "part": need.part,
             "runner": need.runner,
-            "picked": need.runner == needs.ANY or need.runner in picked,  # vLLM may run it here
+            "unused": unused(need),
             "module": need.module,
             "attribute": " or ".join(need.attributes),
             "what": need.what,

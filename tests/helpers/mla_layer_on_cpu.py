@@ -261,3 +261,17 @@ def cpu_step_kernels(mla_module: Any) -> Iterator[None]:
             if hasattr(module, "PIN_MEMORY"):
                 stack.enter_context(mock.patch.object(module, "PIN_MEMORY", False))
         yield
+
+
+def cpu_flash_attn_varlen_func(**kw: Any) -> Any:
+    """vLLM's FA3 paged call as FLASH_ATTN_MLA's decode makes it (``q`` = rope part, ``q_v`` = latent part,
+    ``k``/``v`` = the cache's rope and latent views), in float64 torch (FA3 needs a Hopper GPU)."""
+    from mla_prefill_ext.testing.reference import paged_latent_attention
+
+    cache = torch.cat([kw["v"].squeeze(-2), kw["k"].squeeze(-2)], dim=-1)
+    attend = paged_latent_attention(cache, kw["softmax_scale"])
+    out, lse = attend(
+        kw["q"], kw["q_v"], kw["block_table"], kw["seqused_k"], kw["cu_seqlens_q"], kw["max_seqlen_q"],
+        kw["max_seqlen_k"], kw["causal"],
+    )  # fmt: skip
+    return (out, lse) if kw.get("return_softmax_lse") else out

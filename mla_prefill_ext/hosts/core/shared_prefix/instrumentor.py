@@ -27,11 +27,13 @@ from mla_prefill_ext.hosts.core.instrumentor import Instrumentor
 from mla_prefill_ext.hosts.core.shared_prefix import (
     block_tables,
     counters,
+    decode_rows,
     layer,
     needs,
     routing,
     step,
 )
+from mla_prefill_ext.settings import shared_decode_setting
 
 
 class SharedPrefixInstrumentor(Instrumentor):
@@ -74,6 +76,21 @@ class SharedPrefixInstrumentor(Instrumentor):
     def on_instrumented(self, module: ModuleType) -> None:
         # Routing short extends on the V1 runner is an addition the path works without: its own line.
         wrapt.register_post_import_hook(self._instrument_runner, needs.V1_RUNNER_MODULE)
+        # So are decode rows, where the user turned them on (each decode layer call passes the wrapper).
+        if shared_decode_setting()[0]:
+            wrapt.register_post_import_hook(self._instrument_decode, needs.FA_MLA_MODULE)
+
+    def _instrument_decode(self, fa_mla_module: ModuleType) -> None:
+        with self._lock:
+            if not self.is_instrumented() or decode_rows.WRAP_PROBLEM[0] is None:
+                return
+            try:
+                problem = "; ".join(needs.problems("decode", needs.ANY)) or self._state.wrappers.wrap_each(
+                    _wrapped_rows("decode", needs.ANY)
+                )
+            except Exception as e:  # inside vLLM's import of its decode backend: never let it fail there
+                problem = f"its shape could not be read ({type(e).__name__}: {e})"
+            decode_rows.WRAP_PROBLEM[0] = problem
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
@@ -100,6 +117,7 @@ class SharedPrefixInstrumentor(Instrumentor):
         block_tables.forget()
         block_tables.RUNNER_PROBLEMS.clear()
         self.routing = False
+        decode_rows.WRAP_PROBLEM[0] = decode_rows.NOT_WRAPPED
 
     def report(self) -> dict[str, object]:
         """The path's state in this process: wrapped, routing, why not, steps planned and routed."""
@@ -110,6 +128,8 @@ class SharedPrefixInstrumentor(Instrumentor):
             "problem": self._state.skipped_reason,
             "steps_with_segments": counters.get("steps_with_segments"),
             "steps_routed": counters.get("steps_routed"),
+            "steps_with_decode_groups": counters.get("steps_with_decode_groups"),
+            "decode_problem": decode_rows.WRAP_PROBLEM[0],
             "steps": counters.get("steps"),  # the V1 runner's reorders (every scheduled step there)
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
         }
@@ -131,6 +151,7 @@ _WRAPPERS = {
     needs.DEVICE_TENSOR: block_tables.remember_host_twin,
     needs.APPEND_BLOCK_IDS: block_tables.mirror_block_ids,
     needs.REORDER: routing.may_reorder_batch,
+    needs.FORWARD_MQA: decode_rows.forward_mqa,
 }
 """The add-on's wrapper for each wrapped row of :data:`.needs.NEEDS` (by its first attribute)."""
 

@@ -35,6 +35,8 @@ BUILD = "MLACommonMetadataBuilder.build"
 DEVICE_TENSOR = "BlockTable.get_device_tensor"
 APPEND_BLOCK_IDS = "BlockTables.append_block_ids"
 REORDER = "GPUModelRunner._may_reorder_batch"
+FA_MLA_MODULE = "vllm.v1.attention.backends.mla.flashattn_mla"  # FLASH_ATTN_MLA, Hopper's decode default
+FORWARD_MQA = "FlashAttnMLAImpl.forward_mqa"
 
 
 def takes(*names: str) -> Callable[[Any], str | None]:
@@ -163,6 +165,32 @@ NEEDS: tuple[Need, ...] = (
         "_may_reorder_batch(scheduler_output): wrapped, the step's decode threshold lowered when routed",
         takes("scheduler_output"),
         True,
+    ),
+    # Decode rows (decode_rows), FLASH_ATTN_MLA's decode; vLLM 0.20.2-0.34.0.
+    Need(
+        "decode",
+        ANY,
+        FA_MLA_MODULE,
+        (FORWARD_MQA,),
+        "forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer): wrapped, a step's decode groups served",
+        takes("q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
+        True,
+    ),
+    Need(
+        "decode",
+        ANY,
+        FA_MLA_MODULE,
+        ("FlashAttnMLADecodeMetadata",),
+        "decode metadata fields block_table, seq_lens, query_start_loc, max_query_len, max_seq_len",
+        has_fields("block_table", "seq_lens", "query_start_loc", "max_query_len", "max_seq_len"),
+    ),
+    Need(
+        "decode",
+        ANY,
+        FA_MLA_MODULE,
+        ("flash_attn_varlen_func",),
+        "FA3's paged call (q_v, seqused_k, block_table, return_softmax_lse), called for the groups' calls",
+        takes("q_v", "seqused_k", "block_table", "return_softmax_lse", "fa_version"),
     ),
     # The engine core's parts: block hashes (prefix_hashes), prefix-cache hits (prefix_hits), the
     # gathering of a burst (arrivals); vLLM 0.20.2-0.34.0.

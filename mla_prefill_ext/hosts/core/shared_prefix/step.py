@@ -17,7 +17,14 @@ from typing import Any
 
 from mla_prefill_ext._logging import first_time, log_once, logger
 from mla_prefill_ext.backend_errors import is_backend_error, note_backend_error
-from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, counters, routing, switch
+from mla_prefill_ext.hosts.core.shared_prefix import (
+    block_tables,
+    costs,
+    counters,
+    decode_rows,
+    routing,
+    switch,
+)
 from mla_prefill_ext.shared_prefix import (
     ContextPlan,
     SegmentInstance,
@@ -48,10 +55,11 @@ class SharedStep:
 
 
 class _BuilderState:
-    __slots__ = ("decision", "segments", "usable")
+    __slots__ = ("decision", "decode", "segments", "usable")
 
-    def __init__(self, decision: switch.PathDecision) -> None:
+    def __init__(self, decision: switch.PathDecision, decode: str | None) -> None:
         self.decision = decision
+        self.decode = decode  # why its decode rows are not served (None: they are)
         self.usable: bool | None = None  # its backends take shared segments (None: not known yet)
         self.segments: dict[Hashable, SegmentInstance] = {}
 
@@ -59,7 +67,8 @@ class _BuilderState:
 def _state(builder: Any) -> _BuilderState:
     state = builder.__dict__.get("_mla_shared_prefix")
     if state is None:
-        state = _BuilderState(switch.decide_and_say(builder.vllm_config))
+        decision = switch.decide_and_say(builder.vllm_config)
+        state = _BuilderState(decision, decode_rows.decide_and_say(builder.vllm_config))
         builder._mla_shared_prefix = state
     return state
 
@@ -145,6 +154,8 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     metadata = routing.build_at_threshold(wrapped, instance, args, kwargs, lowered)
     if not on:
         return metadata
+    if state.decode is None and getattr(metadata, "decode", None) is not None:
+        _plan_decode(instance, metadata, common)
     if state.usable is None:
         state.usable = _backends_accept(instance)
         if state.usable:
@@ -168,6 +179,18 @@ def after_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
                 "that fails the same way) runs vLLM's own context path"
             )
     return metadata
+
+
+def _plan_decode(builder: Any, metadata: Any, common: Any) -> None:
+    try:
+        decode_rows.plan_step(builder, metadata, common, block_tables.host_rows(common))
+    except Exception:  # a fault of the add-on's planning: this step runs vLLM's decode, the log says so once
+        metadata.decode.__dict__.pop(decode_rows.DECODE_ATTR, None)
+        if first_time("shared-decode-plan-failed"):
+            logger.exception(
+                "mla-prefill-ext: planning the shared-prefix decode failed; this step (and any other that "
+                "fails the same way) runs vLLM's own decode"
+            )
 
 
 def plan_step(

@@ -1,0 +1,147 @@
+"""Decode rows over a shared prefix, on FLASH_ATTN_MLA (Hopper's decode default): planned once per step in
+the builder, served per layer in place of ``FlashAttnMLAImpl.forward_mqa``
+(:mod:`mla_prefill_ext.shared_prefix.decode`).
+
+Off unless turned on (:func:`mla_prefill_ext.settings.shared_decode_setting`) until its token parity is
+shown on a GPU. Served only where vLLM runs the layer's attention in Python: eager steps and piecewise
+CUDA graphs (attention runs between the pieces). A step that replays a full CUDA graph runs the attention
+vLLM captured, whatever this module planned; no plan is ever made inside a capture. Not with speculative
+decoding (the host's sequence lengths are upper bounds there, and more than one new token a row lost in
+the measurements) nor where the decode call returns its LSE (decode context parallelism).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from mla_prefill_ext._logging import log_once, logger
+from mla_prefill_ext.hosts.core.shared_prefix import costs, counters, needs
+from mla_prefill_ext.mla_layers import MLA_MODULE
+from mla_prefill_ext.settings import shared_decode_setting
+from mla_prefill_ext.shared_prefix.decode import decode_attention, plan_decode
+from mla_prefill_ext.shared_prefix.execute import vllm_merge
+
+DECODE_ATTR = "mla_shared_decode"
+"""The decode metadata's attribute holding the step's device plan (absent: vLLM's decode)."""
+
+
+NOT_WRAPPED = "vLLM's FLASH_ATTN_MLA module was not imported with the path in place"
+WRAP_PROBLEM: list[str | None] = [NOT_WRAPPED]
+"""Why ``forward_mqa`` is not wrapped in this process (``[None]``: it is); the instrumentor sets it."""
+
+
+def decide(vllm_config: Any) -> str | None:
+    """Why this engine's decode rows are not served (None: they are, where a step's plan pays)."""
+    on, source = shared_decode_setting()
+    if not on:
+        return f"turned off by {source}"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding is on (not served)"
+    return WRAP_PROBLEM[0]
+
+
+def decide_and_say(vllm_config: Any) -> str | None:
+    """:func:`decide`, with one INFO line per process and outcome where the user turned it on."""
+    why = decide(vllm_config)
+    if shared_decode_setting()[0]:
+        log_once(
+            logging.INFO,
+            ("shared-decode", why),
+            "MLA shared-prefix decode (mla-prefill-ext): %s.",
+            f"off ({why})" if why else "on, for groups of decode rows in the measured crossover",
+        )
+    return why
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def plan_step(builder: Any, metadata: Any, common: Any, rows: Any) -> None:
+    """After vLLM's ``build``: the step's decode groups on ``metadata.decode`` when one pays."""
+    decode = getattr(metadata, "decode", None)
+    served = getattr(sys.modules.get(needs.FA_MLA_MODULE), "FlashAttnMLADecodeMetadata", None)
+    if served is None or not isinstance(decode, served) or rows is None or _capturing():
+        return  # another decode backend's metadata: its kernel is not the one measured
+    seq_lens = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if seq_lens is None:
+        return
+    n = metadata.num_decodes
+    loc = common.query_start_loc_cpu[: n + 1]
+    block_size = builder.kv_cache_spec.block_size
+    qlens = (loc[1:] - loc[:-1]).numpy()
+    plan = plan_decode(rows[:n], seq_lens[:n].numpy(), qlens, block_size, costs.DECODE_VALUE)
+    if plan is None:
+        return
+    setattr(decode, DECODE_ATTR, plan.to(decode.block_table, decode.seq_lens))
+    if counters.add("steps_with_decode_groups") == 1:
+        g = plan.groups[0]
+        logger.info(
+            "MLA shared-prefix decode (mla-prefill-ext): the first step with a shared prefix among its "
+            "decode rows: %d group(s), the first of %d tokens shared by %d requests.",
+            len(plan.groups),
+            g.block_ids.shape[0] * plan.block_size,
+            g.members.shape[0],
+        )
+
+
+def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
+    return kwargs[name] if name in kwargs else args[index]
+
+
+def _fa3_attend(impl: Any, kv_cache: Any) -> Any:
+    """The decode backend's own paged FA3 call (its module's binding), at the layer's scale."""
+    kernel = sys.modules[needs.FA_MLA_MODULE].flash_attn_varlen_func
+    rank = impl.kv_lora_rank
+    k_pe, kv_c = kv_cache[..., rank:].unsqueeze(-2), kv_cache[..., :rank].unsqueeze(-2)
+
+    def attend(q_pe, q_nope, block_table, seq_lens, cu_queries, max_queries, max_keys, causal):
+        return kernel(
+            q=q_pe,
+            k=k_pe,
+            v=kv_c,
+            q_v=q_nope,
+            max_seqlen_q=max_queries,
+            cu_seqlens_q=cu_queries,
+            max_seqlen_k=max_keys,
+            seqused_k=seq_lens,
+            block_table=block_table,
+            softmax_scale=impl.scale,
+            causal=causal,
+            return_softmax_lse=True,
+            fa_version=3,
+        )
+
+    return attend
+
+
+def forward_mqa(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """``FlashAttnMLAImpl.forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)``."""
+    attn_metadata = _arg(args, kwargs, "attn_metadata", 2)
+    decode = getattr(attn_metadata, "decode", None)
+    plan = getattr(decode, DECODE_ATTR, None)
+    if plan is None or getattr(instance, "need_to_return_lse_for_decode", False) or _capturing():
+        return wrapped(*args, **kwargs)
+    import torch
+
+    q = _arg(args, kwargs, "q", 0)
+    if isinstance(q, tuple):
+        q_nope, q_pe = q
+    else:
+        q_nope, q_pe = torch.split(q, [instance.kv_lora_rank, instance.qk_rope_head_dim], dim=-1)
+    merge = sys.modules[MLA_MODULE].merge_attn_states  # the binding vLLM's own context loop calls
+    out, _ = decode_attention(
+        q_pe,
+        q_nope,
+        plan,
+        decode.query_start_loc,
+        max(decode.max_query_len, 1),
+        decode.max_seq_len,
+        _fa3_attend(instance, _arg(args, kwargs, "kv_c_and_k_pe_cache", 1)),
+        lambda *states: vllm_merge(*states, kernel=merge),
+    )
+    return out, None
