@@ -51,10 +51,11 @@ def _on_imported(module: ModuleType) -> None:
 def _instrument_shared_prefix(mla_module: ModuleType) -> None:
     """The shared-prefix path, on either host, after the host's own wrappers (it reads what they set)."""
     from mla_prefill_ext.hosts.core.shared_prefix.instrumentor import INSTRUMENTOR
-    from mla_prefill_ext.settings import shared_prefix_setting
+    from mla_prefill_ext.settings import shared_decode_setting, shared_prefix_setting
 
-    try:
-        shared_prefix_setting(None)  # the environment's switch: refused at start, not on a first step
+    try:  # the environment's switches: refused at start, not on a first step
+        shared_prefix_setting(None)
+        shared_decode_setting()
     except ValueError as e:
         raise RuntimeError(f"mla-prefill-ext: {e}") from None
     INSTRUMENTOR.instrument(mla_module)

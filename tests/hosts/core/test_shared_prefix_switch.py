@@ -152,7 +152,8 @@ def test_one_info_line_per_process_and_decision(config, clean_selection, addon_l
     )
 
 
-def test_an_invalid_switch_in_the_environment_stops_the_engine_when_vllms_mla_module_loads():
+@pytest.mark.parametrize("variable", ["MLA_PREFILL_SHARED_PREFIX", "MLA_PREFILL_SHARED_DECODE"])
+def test_an_invalid_switch_in_the_environment_stops_the_engine_when_vllms_mla_module_loads(variable):
     """As in an engine process: the add-on activated, vLLM's MLA module imported (the model's build)."""
     from child_python import run_python
 
@@ -166,10 +167,20 @@ def test_an_invalid_switch_in_the_environment_stops_the_engine_when_vllms_mla_mo
         mla_prefill_ext.activate()
         importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
         """,
-        MLA_PREFILL_SHARED_PREFIX="maybe",
+        **{variable: "maybe"},
     )
     assert proc.returncode != 0
     assert (
-        "RuntimeError: mla-prefill-ext: MLA_PREFILL_SHARED_PREFIX='maybe' is not a switch: use "
-        "1/true/on or 0/false/off"
+        f"RuntimeError: mla-prefill-ext: {variable}='maybe' is not a switch: use 1/true/on or 0/false/off"
     ) in proc.stderr, proc.stderr[-3000:]
+
+
+def test_decode_rows_are_off_unless_the_environment_turns_them_on(config, clean_selection):
+    from mla_prefill_ext.hosts.core.shared_prefix import decode_rows
+
+    clean_selection.delenv("MLA_PREFILL_SHARED_DECODE", raising=False)
+    assert decode_rows.decide(config) == "turned off by the default"
+    clean_selection.setenv("MLA_PREFILL_SHARED_DECODE", "on")
+    assert decode_rows.decide(config) in (None, decode_rows.WRAP_PROBLEM[0])
+    config.speculative_config = object()  # what decide reads: that one is configured
+    assert decode_rows.decide(config) == "speculative decoding is on (not served)"
