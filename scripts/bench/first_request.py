@@ -31,6 +31,7 @@ from typing import Any
 
 from . import common
 from . import sides as runner
+from .engine import prefill_owners
 
 DEFAULT_SIDES = "stock,FLASH_ATTN,FLASHINFER,FLASHINFER-warm"
 MIN_SIDE_S = 45.0  # a side given less than this before --deadline is skipped, not started
@@ -137,11 +138,7 @@ def worker_report(worker: Any) -> dict[str, Any]:
     import os as _os
     import sys as _sys
 
-    owners = set()
-    for module in worker.get_model().modules():
-        if type(module).__name__ == "MLAAttention" and hasattr(module, "prefill_backend"):
-            backend = module.prefill_backend
-            owners.add(backend.get_name() if backend is not None else "vLLM's own")
+    owners = prefill_owners(worker)["owners"]
     warmup = _sys.modules.get("mla_prefill_ext.backends.warmup")
     warmups = [record._asdict() for record in warmup.completed()] if warmup is not None else []
     # FLASHINFER's per-builder context-chunk wrappers: one per chunk a step planned.
@@ -162,9 +159,7 @@ def worker_report(worker: Any) -> dict[str, Any]:
             info = getattr(getattr(prefill, name), "cache_info", None)
             if name.startswith("get_") and name.endswith("_module") and callable(info):
                 misses[name] = info().misses
-    report = dict(
-        pid=_os.getpid(), owners=sorted(owners), warmups=warmups, context_chunk_wrappers=chunk_plans
-    )
+    report = dict(pid=_os.getpid(), owners=owners, warmups=warmups, context_chunk_wrappers=chunk_plans)
     return {**report, MAPPED: modules, "flashinfer_getter_misses": misses}
 
 

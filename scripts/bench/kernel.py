@@ -52,12 +52,13 @@ def kernel_grid(quick: bool, device: str, dims_choice="all", shapes=None, heads_
         singles, batches = [], shapes
     dims = {"r1": (R1,), "non-r1": (NON_R1,), "all": (R1, NON_R1)}[dims_choice]
     steps = [[n] for n in singles] + list(batches)
-    return [grid_case(d, heads, new) for d in dims for heads in heads_choice for new in steps]
-
-
-def grid_case(dims: tuple[int, int, int], heads: int, new: list[int]) -> dict[str, Any]:
-    """One case: sequences of ``new`` new tokens, each with one context chunk as long as them."""
-    return {"dims": dims, "heads": heads, "new": list(new), "ctx": list(new)}
+    # One case: sequences of ``new`` new tokens, each with one context chunk as long as them.
+    return [
+        {"dims": d, "heads": heads, "new": list(new), "ctx": list(new)}
+        for d in dims
+        for heads in heads_choice
+        for new in steps
+    ]
 
 
 def case_fields(case: dict[str, Any]) -> dict[str, Any]:
@@ -67,15 +68,6 @@ def case_fields(case: dict[str, Any]) -> dict[str, Any]:
         "heads": case["heads"],
         "shape": f"{len(case['new'])}x{case['new'][0]}",
     }
-
-
-def case_problem(case: dict[str, Any], device: str) -> tuple[Any, tuple, float, float]:
-    """A case's inputs: the problem, its context chunk's (q, k, v), the new tokens' and the chunk's FLOPs."""
-    from mla_prefill_ext.testing.problem import make_problem
-
-    p = make_problem(case["new"], case["ctx"], 1, case["heads"], *case["dims"], device=device, seed=0)
-    chunk = (p.q, p.chunk_k[0], p.chunk_v[0])
-    return p, chunk, p.flops(context=False), p.flops(new_tokens=False)
 
 
 def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[str, Any]:
@@ -114,40 +106,30 @@ def bare_kernels(name: str, backend: Any, p: Any, chunk_q_k_v: tuple) -> dict[st
     return {}
 
 
-def backend_ops(cls: type, case: dict[str, Any], p: Any, chunk: tuple) -> tuple[Any, dict[str, Any]]:
-    """The backend built and prepared for ``case``; each op as a call of no arguments."""
-    from mla_prefill_ext.testing.problem import deepseek_yarn_scale
-
-    backend = cls(case["heads"], deepseek_yarn_scale(), 512, *case["dims"], None)
-    backend.prepare_metadata(p.metadata)
-    ours = {
-        "new_tokens": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, False),
-        "context_chunk": lambda b=backend, c=chunk: b.run_prefill_context_chunk(0, *c),
-        "new_tokens_lse": lambda b=backend, q=p.q, k=p.k, v=p.v: b.run_prefill_new_tokens(q, k, v, True),
-    }
-    return backend, ours
-
-
-def device_sync(device: str):
-    """What waits for the device's queued work: CUDA's synchronize, nothing on the CPU."""
-    import torch
-
-    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-
 def measure_backend(
     name, cls, case, p, chunk, new_flops, ctx_flops, rounds, device, with_lse=False
 ) -> list[dict]:
     """Both ops (three with ``with_lse``) of one backend on one shape, next to its bare kernel if any."""
+    import torch
+
+    from mla_prefill_ext.testing.problem import deepseek_yarn_scale
+
     rows = []
-    backend, ours = backend_ops(cls, case, p, chunk)
+    backend = cls(case["heads"], deepseek_yarn_scale(), 512, *case["dims"], None)
+    backend.prepare_metadata(p.metadata)
+    ours = {  # each op as a call of no arguments
+        "new_tokens": lambda: backend.run_prefill_new_tokens(p.q, p.k, p.v, False),
+        "context_chunk": lambda: backend.run_prefill_context_chunk(0, *chunk),
+        "new_tokens_lse": lambda: backend.run_prefill_new_tokens(p.q, p.k, p.v, True),
+    }
     bare = bare_kernels(name, backend, p, chunk)
+    # What waits for the device's queued work: CUDA's synchronize, nothing on the CPU.
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ops = [("new_tokens", new_flops), ("context_chunk", ctx_flops)]
     if with_lse:
         ops.append(("new_tokens_lse", new_flops))
     for op, flops in ops:
         fns = {"backend": ours[op], **({"bare": bare[op]} if op in bare else {})}
-        sync = device_sync(device)
         for fn in fns.values():  # every side warmed up (and JIT-built) before the backend's sizes a round
             fn()
         n = timing.size_repetition(fns["backend"], sync=sync, warmup=0)
@@ -176,11 +158,14 @@ def bench_kernels(
 
     from mla_prefill_ext.registry import MLAPrefillBackendEnum
     from mla_prefill_ext.selector import MLAPrefillSelectorConfig
+    from mla_prefill_ext.testing.problem import make_problem
 
     rows = []
     for case in grid:
         config = MLAPrefillSelectorConfig.from_dims(torch.bfloat16, *case["dims"])
-        p, chunk, new_flops, ctx_flops = case_problem(case, device)
+        p = make_problem(case["new"], case["ctx"], 1, case["heads"], *case["dims"], device=device, seed=0)
+        chunk = (p.q, p.chunk_k[0], p.chunk_v[0])  # the context chunk's (q, k, v)
+        new_flops, ctx_flops = p.flops(context=False), p.flops(new_tokens=False)
         for name in names:
             cls = MLAPrefillBackendEnum[name].get_class()
             if cls.validate_configuration(capability, config):

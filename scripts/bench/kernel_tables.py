@@ -33,18 +33,9 @@ def fastest_per_shape(rows: list[dict[str, Any]], capability: Any) -> list[dict[
         order = mla_prefill_backend_priorities(capability)
         auto = next(m.name for m in order if not check_backend(m, capability, config)[1])
         best = min(cands, key=cands.get)
-        out.append(
-            {
-                "op": op,
-                "dims": list(dims),
-                "heads": heads,
-                "shape": shape,
-                "fastest": best,
-                "automatic": auto,
-                "auto_vs_fastest": cands[best] / cands[auto] if auto in cands else None,
-                "ms": cands,
-            }
-        )
+        ratio = cands[best] / cands[auto] if auto in cands else None
+        row = dict(op=op, dims=list(dims), heads=heads, shape=shape, fastest=best, automatic=auto)
+        out.append({**row, "auto_vs_fastest": ratio, "ms": cands})
     return out
 
 

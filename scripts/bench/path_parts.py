@@ -31,33 +31,15 @@ waits only for requests the hash reuse saw sharing a prefix)."""
 _PACKAGE = "mla_prefill_ext.hosts.core.shared_prefix"
 
 
-def _skip_plan(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-    return None  # vLLM's chunks stay on the step: its own context path
-
-
-def _no_route(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-    return None  # vLLM's decode threshold
-
-
-def _vllms_hasher(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    return instance.inner(*args, **kwargs)
-
-
-def _vllms_lookup(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    lookup, *rest = args
-    return lookup(*rest, **kwargs)
-
-
-def _no_window(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> float:
-    return 0.0  # an idle engine core steps at its first request
-
-
+# Each paused part's replacement (wrapt's wrapped, instance, args, kwargs): no plan (vLLM's chunks stay on
+# the step), vLLM's decode threshold, vLLM's hasher, vLLM's lookup (passed as the first argument), no window
+# (an idle engine core steps at its first request).
 TARGETS: dict[str, tuple[str, str, Callable[..., Any]]] = {
-    "plan": ("step", "plan_step", _skip_plan),
-    "route": ("routing", "route_threshold", _no_route),
-    "hashes": ("prefix_hashes", "ReusingHasher.__call__", _vllms_hasher),
-    "hits": ("prefix_hits", "PrefixHits.find", _vllms_lookup),
-    "gather": ("arrivals", "_window", _no_window),
+    "plan": ("step", "plan_step", lambda w, i, a, k: None),
+    "route": ("routing", "route_threshold", lambda w, i, a, k: None),
+    "hashes": ("prefix_hashes", "ReusingHasher.__call__", lambda w, i, a, k: i.inner(*a, **k)),
+    "hits": ("prefix_hits", "PrefixHits.find", lambda w, i, a, k: a[0](*a[1:], **k)),
+    "gather": ("arrivals", "_window", lambda w, i, a, k: 0.0),
 }
 """Per part: the add-on module (in its shared-prefix package), the function called by name at each use
 (so that a wrapper put there takes effect at the next call), and what it does while paused."""

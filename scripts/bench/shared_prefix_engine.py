@@ -140,13 +140,8 @@ def path_steps_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         cells = ", ".join(f"{k} {[r.get(k, 0) for r in rs]}" for k in COUNTERS)
         lines.append(f"{side} {point}: {cells}")
         if any(r.get("shapes") for r in rs):  # requests/tokens per step of each call, "r" if routed
-            calls = (
-                "["
-                + " ".join(f"{q}/{t}{'r' if routed else ''}" for q, t, routed in r.get("shapes", []))
-                + "]"
-                for r in rs
-            )
-            lines.append(f"  steps as requests/tokens: {' '.join(calls)}")
+            marks = [[f"{q}/{t}{'r' if routed else ''}" for q, t, routed in r.get("shapes", [])] for r in rs]
+            lines.append(f"  steps as requests/tokens: {' '.join('[' + ' '.join(m) + ']' for m in marks)}")
     return lines
 
 

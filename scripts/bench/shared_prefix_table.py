@@ -152,16 +152,9 @@ def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> l
                 continue
             ratios = [h / p for h, p in zip(seconds[host][key], times, strict=True)]
             low, high = bootstrap_interval(ratios, resamples, seed=f"{key}|{pause}")
-            median = statistics.median(ratios)
-            rows.append(
-                [
-                    key,
-                    f"{host} / {pause}",
-                    str(len(ratios)),
-                    f"{median:.3f} [{low:.3f}-{high:.3f}]",
-                    f"{min(ratios):.3f}-{max(ratios):.3f}",
-                ]
-            )
+            interval = f"{statistics.median(ratios):.3f} [{low:.3f}-{high:.3f}]"
+            spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+            rows.append([key, f"{host} / {pause}", str(len(ratios)), interval, spread])
     if not rows:
         return []
     columns = ["point", "host / pause side", "pairs", "median [95% interval]", "min-max"]

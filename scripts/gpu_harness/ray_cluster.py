@@ -3,21 +3,15 @@
 This is how a multi-node deployment looks to vLLM: ``ray start`` ran on each node
 (here: one head on this host, owning both GPUs) long before the user's process, so
 Ray's workers do not inherit the driver's environment. The driver joins through
-``RAY_ADDRESS``; only what vLLM copies to its Ray workers reaches them.
-
-    python -m scripts.gpu_harness.ray_cluster start [--pythonpath EXTRA]   # prints the address
-    python -m scripts.gpu_harness.ray_cluster stop
+``RAY_ADDRESS``; only what vLLM copies to its Ray workers reaches them. session.py starts and stops it.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 PORT = 6379
 ADDRESS = f"127.0.0.1:{PORT}"
 # What a node's own environment has: the Python installation, CUDA, a home. Nothing of ours.
@@ -50,23 +44,3 @@ def start(pythonpath: list[str], num_gpus: int = 2) -> str:
 def stop() -> None:
     result = ray_cli("stop", "--force", env=clean_env([os.environ.get("PYTHONPATH", "")]))
     print(result.stdout[-500:], result.stderr[-500:], sep="\n", flush=True)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("start")
-    s.add_argument("--pythonpath", action="append", default=[], help="extra entries, before the site")
-    s.add_argument("--num-gpus", type=int, default=2)
-    sub.add_parser("stop")
-    args = parser.parse_args()
-    if args.command == "stop":
-        stop()
-        return 0
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    print(start([*args.pythonpath, *site, str(ROOT / "examples"), str(ROOT)], args.num_gpus))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,14 +16,18 @@ wrong shared paths (``--shared-mutant``) that must fail.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scripts.bench.common import stamp
 
@@ -147,43 +151,62 @@ def command(s: Scenario, results: Path, bench: bool, model_dir: Path | None = No
     return cmd
 
 
+def run_one(s: Scenario, cmd: list[str], results: Path, devices: str, pythonpath: str | None = None) -> int:
+    """Run ``cmd`` (scenario ``s``) on ``devices``, its output in ``results/NAME.log``; a ``PYTHONPATH``
+    of the scenario's, then ``pythonpath``, goes before the inherited one. Its exit status."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
+    for key, value in [*s.env, *([("PYTHONPATH", pythonpath)] if pythonpath else [])]:
+        env[key] = f"{value}{os.pathsep}{env[key]}" if key == "PYTHONPATH" and env.get(key) else value
+    stamp(f"start {s.name} on GPU {devices}")
+    with open(results / f"{s.name}.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    stamp(f"done {s.name}: rc={rc}")
+    return rc
+
+
+def lane(run: Callable[[str], Any], names: list[str], shared: list[str] | None = None) -> None:
+    """``run`` each of ``names``, then scenarios from ``shared`` (a queue other lanes take from too) until
+    it is empty."""
+    for name in names:
+        run(name)
+    while shared:
+        try:
+            name = shared.pop(0)
+        except IndexError:  # another lane took the last one
+            return
+        run(name)
+
+
+def in_lanes(targets: list[tuple], stagger: float) -> None:
+    """Each ``(function, *args)`` in a thread of its own, started ``stagger`` seconds apart; all joined."""
+    threads = [threading.Thread(target=t[0], args=t[1:]) for t in targets]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)  # staggered starts: less contention while engines load
+    for t in threads:
+        t.join()
+
+
 def run_all(
     names: list[str], results: Path, gpus: list[str], bench: bool, model_dir: Path | None = None
 ) -> None:
-    """Single-GPU scenarios in parallel (each on the next free GPU), then multi-GPU ones in turn."""
+    """Single-GPU scenarios in parallel (each GPU runs the next one waiting), then multi-GPU ones in turn."""
     results.mkdir(parents=True, exist_ok=True)
     model_dir = model_dir or default_model_dir(results)
     if any(SCENARIOS[n].sharp for n in names):
         ensure_checkpoint(model_dir)
-    pending = [SCENARIOS[n] for n in names if SCENARIOS[n].gpus == 1]
-    multi = [SCENARIOS[n] for n in names if SCENARIOS[n].gpus > 1]
-    running: dict[str, tuple[Scenario, subprocess.Popen]] = {}
 
-    def start(s: Scenario, devices: str) -> subprocess.Popen:
-        log = open(results / f"{s.name}.log", "w")
-        env = {**os.environ, **dict(s.env), "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
-        stamp(f"start {s.name} on GPU {devices}")
-        return subprocess.Popen(
-            command(s, results, bench, model_dir), stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+    def run(name: str, devices: str) -> int:
+        s = SCENARIOS[name]
+        return run_one(s, command(s, results, bench, model_dir), results, devices)
 
-    while pending or running:
-        for g in gpus:
-            if g not in running and pending:
-                s = pending.pop(0)
-                running[g] = (s, start(s, g))
-        for g, (s, proc) in list(running.items()):
-            if proc.poll() is not None:
-                stamp(f"done {s.name} on GPU {g}: rc={proc.returncode}")
-                del running[g]
-        time.sleep(1)
-    for s in multi:
-        if s.gpus > len(gpus):
-            stamp(f"skip {s.name}: needs {s.gpus} GPUs")
-            continue
-        proc = start(s, ",".join(gpus[: s.gpus]))
-        proc.wait()
-        stamp(f"done {s.name}: rc={proc.returncode}")
+    queue = [n for n in names if SCENARIOS[n].gpus == 1]
+    in_lanes([(lane, functools.partial(run, devices=g), [], queue) for g in gpus], stagger=0)
+    for name in (n for n in names if SCENARIOS[n].gpus > 1):
+        if SCENARIOS[name].gpus > len(gpus):
+            stamp(f"skip {name}: needs {SCENARIOS[name].gpus} GPUs")
+        else:
+            run(name, ",".join(gpus[: SCENARIOS[name].gpus]))
 
 
 def recorded_text(path: Path) -> str | None:

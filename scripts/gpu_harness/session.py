@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts.bench.common import stamp
@@ -35,6 +35,9 @@ from scripts.gpu_harness.scenarios import (
     command,
     default_model_dir,
     ensure_checkpoint,
+    in_lanes,
+    lane,
+    run_one,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,42 +81,15 @@ ALL = {**SCENARIOS, **EXTRA}
 
 
 def run_scenario(name: str, results: Path, devices: str, extra_pythonpath: str | None = None) -> int:
-    s = ALL[name]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
-    for key, value in s.env:
-        env[key] = f"{value}{os.pathsep}{env[key]}" if key == "PYTHONPATH" and env.get(key) else value
-    if extra_pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_pythonpath, env.get("PYTHONPATH")]))
-    cmd = [*command(s, results, bench=False, model_dir=default_model_dir(results)), "--gpu-mem", GPU_MEM]
+    cmd = [*command(ALL[name], results, False, default_model_dir(results)), "--gpu-mem", GPU_MEM]
     if name in TP2_QUEUE and "--eager" not in cmd:
         cmd.append("--eager")  # start-up time: the compiled path is covered on one GPU
-    stamp(f"start {name} on GPU {devices}")
-    with open(results / f"{name}.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    stamp(f"done {name}: rc={rc}")
-    return rc
+    return run_one(ALL[name], cmd, results, devices, extra_pythonpath)
 
 
-def lane(names: list[str], results: Path, devices: str, shared: list[str] | None = None) -> None:
-    """``names``, then scenarios from ``shared`` (a queue other lanes take from too) until it is empty."""
-    for name in names:
-        run_scenario(name, results, devices)
-    while shared:
-        try:
-            name = shared.pop(0)
-        except IndexError:  # another lane took the last one
-            return
-        run_scenario(name, results, devices)
-
-
-def in_lanes(targets: list[tuple], stagger: float) -> None:
-    """Each ``(function, *args)`` in a thread of its own, started ``stagger`` seconds apart; all joined."""
-    threads = [threading.Thread(target=t[0], args=t[1:]) for t in targets]
-    for t in threads:
-        t.start()
-        time.sleep(stagger)  # staggered starts: less contention while engines load
-    for t in threads:
-        t.join()
+def on(devices: str, results: Path) -> Callable[[str], int]:
+    """A lane's runner: each scenario by name on ``devices``."""
+    return lambda name: run_scenario(name, results, devices)
 
 
 def in_ray_cluster(names: list[str], results: Path, old_addon: Path | None = None) -> None:
@@ -157,9 +133,9 @@ def single(results: Path) -> None:
 
     def flashinfer_lane() -> None:
         warm.wait()
-        lane(FLASHINFER_LANE, results, "1", shared)
+        lane(on("1", results), FLASHINFER_LANE, shared)
 
-    lanes = [(lane, [], results, g, shared) for g in ("0", "0", "1")]
+    lanes = [(lane, on(g, results), [], shared) for g in ("0", "0", "1")]
     in_lanes([(kernels,), *lanes, (flashinfer_lane,)], stagger=3)
 
 
@@ -169,7 +145,7 @@ def multi(results: Path, old_addon: Path | None) -> None:
         if old_addon is not None:
             in_ray_cluster(["ray-old-custom"], results, old_addon)
 
-    in_lanes([(ray_lane,), (lane, TP2_QUEUE, results, "0,1")], stagger=5)
+    in_lanes([(ray_lane,), (lane, on("0,1", results), TP2_QUEUE)], stagger=5)
 
 
 def only(results: Path, names: list[str]) -> None:
@@ -178,7 +154,7 @@ def only(results: Path, names: list[str]) -> None:
     process on its GPU allocates or frees: "Error in memory profiling", "No available memory")."""
     ensure_checkpoint(default_model_dir(results))
     shared = [n for n in names if ALL[n].gpus == 1]
-    in_lanes([(lane, [], results, g, shared) for g in ("0", "1")], stagger=3)
+    in_lanes([(lane, on(g, results), [], shared) for g in ("0", "1")], stagger=3)
     ray = [n for n in names if "RAY_ADDRESS" in dict(ALL[n].env)]
     for name in (n for n in names if ALL[n].gpus > 1 and n not in ray):
         run_scenario(name, results, "0,1")

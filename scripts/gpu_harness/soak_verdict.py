@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 from scripts.gpu_harness import verdict
-
-SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$")
 
 
 def records(out: Path) -> dict[str, dict]:
@@ -42,38 +39,33 @@ def tokens_verdict(stock: dict, path: dict, stock2: dict | None = None) -> verdi
 
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples in a Prometheus text page whose labels include ``labels``."""
-    total = 0.0
-    for m in filter(None, map(SAMPLE.match, text.splitlines())):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if m.group(1) == name and labels.items() <= have.items():
-            total += float(m.group(3))
-    return total
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    return sum((s.value for s in samples if s.name == name and labels.items() <= s.labels.items()), 0.0)
 
 
 def memory_problems(samples: list[dict], start: float, max_prompt: int) -> list[str]:
     """What a process's probe lines show growing: past a memo's cap during the soak, or not back to the
     idle sizes (before ``start``) at the end."""
-    idle = [s for s in samples if s["t"] < start][-1:] or samples[:1]
+    idle, end = ([s for s in samples if s["t"] < start][-1:] or samples[:1])[0], samples[-1]
     problems = []
     for s in samples:
-        caps = s.get("caps", {})
-        checks = [(h["donors"], caps["donors"], "donors") for h in s.get("hashers", [])]
-        checks += [
-            (h["donor_tokens"], caps["copied"] * max_prompt, "donor tokens") for h in s.get("hashers", [])
-        ]
-        checks += [(h["memos"], caps["memos"], "memos") for h in s.get("hits", [])]
-        checks += [(h["memo_blocks"], caps["memos"] * max_prompt, "memo blocks") for h in s.get("hits", [])]
+        caps, checks = s.get("caps", {}), []
+        for h in s.get("hashers", []):
+            checks += [(h["donors"], caps["donors"], "donors")]
+            checks += [(h["donor_tokens"], caps["copied"] * max_prompt, "donor tokens")]
+        for h in s.get("hits", []):
+            checks += [(h["memos"], caps["memos"], "memos")]
+            checks += [(h["memo_blocks"], caps["memos"] * max_prompt, "memo blocks")]
         checks += [(s["path"]["step_shapes"], caps["step_shapes"], "step shapes")] if "path" in s else []
         problems += [f"{what} {n} > {cap} at {s['t']:.0f}" for n, cap, what in checks if n > cap]
     for key in ("twins", "mirror_addresses", "mirror_bytes"):
-        was, now = (
-            idle[0].get("block_tables", {}).get(key, 0),
-            samples[-1].get("block_tables", {}).get(key, 0),
-        )
+        was, now = (x.get("block_tables", {}).get(key, 0) for x in (idle, end))
         problems += [f"{key} {now} at the end, {was} idle"] if now > was else []
     for key in ("hashers", "hits"):  # a new engine's memos next to the old ones'
-        if len(samples[-1].get(key, [])) > len(idle[0].get(key, [])):
-            problems.append(f"{key}: {len(samples[-1][key])} at the end, {len(idle[0].get(key, []))} idle")
+        was, now = len(idle.get(key, [])), len(end.get(key, []))
+        problems += [f"{key}: {now} at the end, {was} idle"] if now > was else []
     return problems
 
 
@@ -88,17 +80,14 @@ def judge_run(out: Path, side: str, max_prompt: int) -> list[str]:
 
     sent, done, aborted = client["sent"], client["completed"], client["aborted"]
     fives = {k: v for k, v in client["statuses"].items() if k.startswith("5")}
-    http5 = delta("http_requests_total", status="5xx")
-    preempted = delta("vllm:num_preemptions_total")
-    reasons = {
-        r: delta("vllm:request_success_total", finished_reason=r)
-        for r in ("stop", "length", "abort", "error")
-    }
+    http5, preempted = delta("http_requests_total", status="5xx"), delta("vllm:num_preemptions_total")
+    ends = ("stop", "length", "abort", "error")
+    reasons = {r: delta("vllm:request_success_total", finished_reason=r) for r in ends}
+    answered = f"{done} completed + {aborted} aborted of {sent} sent ({end - start:.0f} s)"
     lines = [
         (
             done + aborted == sent and not client["errors"],
-            f"answered: {done} completed + {aborted} aborted of "
-            f"{sent} sent ({end - start:.0f} s); errors {client['errors']}; vLLM's finish reasons {reasons}",
+            f"answered: {answered}; errors {client['errors']}; vLLM's finish reasons {reasons}",
         ),
         (
             not fives and http5 == 0,
@@ -117,25 +106,22 @@ def judge_run(out: Path, side: str, max_prompt: int) -> list[str]:
         }
         shared = 0
         for samples in probes.values():
-            steps = [s["path"]["steps_with_segments"] for s in samples if "path" in s]
-            idle = [s["path"]["steps_with_segments"] for s in samples if "path" in s and s["t"] < start]
-            shared += steps[-1] - (idle[-1] if idle else 0) if steps else 0
+            steps = [(s["t"], s["path"]["steps_with_segments"]) for s in samples if "path" in s]
+            idle = [n for t, n in steps if t < start]
+            shared += steps[-1][1] - (idle[-1] if idle else 0) if steps else 0
         lines.append((shared > 0, f"path engaged: {shared} steps with shared segments during the soak"))
         problems = [
             f"{k}: {p}" for k, v in probes.items() if v for p in memory_problems(v, start, max_prompt)
         ]
-        cuda = [
+        cuda = "; ".join(
             f"{k} {v[0].get('cuda_allocated')} -> {v[-1].get('cuda_allocated')}"
             for k, v in probes.items()
             if v
-        ]
-        lines.append(
-            (
-                bool(probes) and not problems,
-                f"memory bounded, back to idle: {problems[:5] or 'yes'} "
-                f"({len(probes)} processes; CUDA allocated first -> last sample: {'; '.join(cuda)})",
-            )
         )
+        memory = (
+            f"{problems[:5] or 'yes'} ({len(probes)} processes; CUDA allocated first -> last sample: {cuda})"
+        )
+        lines.append((bool(probes) and not problems, f"memory bounded, back to idle: {memory}"))
     return [f"{'PASS' if ok else 'FAIL'}: {text}" for ok, text in lines]
 
 

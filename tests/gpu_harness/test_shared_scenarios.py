@@ -296,7 +296,7 @@ def test_the_shared_multi_order_keeps_one_engine_per_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(session, "run_scenario", lambda name, _, devices: events.append((name, devices)))
     monkeypatch.setattr(session.ray_cluster, "start", lambda _: events.append(("ray start", "")))
     monkeypatch.setattr(session.ray_cluster, "stop", lambda: events.append(("ray stop", "")))
-    monkeypatch.setattr(session.time, "sleep", lambda _: None)
+    monkeypatch.setattr(scenarios.time, "sleep", lambda _: None)
     singles = ["stock-shared", "shim-fa-shared-off"]
     session.only(tmp_path, [*session.SHARED_RAY_QUEUE, *singles, *session.SHARED_TP2_QUEUE])
     names = [n for n, _ in events]
