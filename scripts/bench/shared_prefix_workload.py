@@ -21,6 +21,7 @@ from .engine import GATHER_ENV, SHARED_PREFIX_ENV
 
 SCENARIOS = ("shared", "private", "fresh", "decode")
 NOSHARE = "noshare"
+DECODE = "decode"  # NAME:decode, decode rows served too (MLA_PREFILL_SHARED_DECODE=1)
 NOGATHER = "nogather"
 GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
@@ -109,6 +110,8 @@ def _configured(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
         return SideSpec(name, name)
     if mode.lower() == NOSHARE:
         return SideSpec(f"{name}:{NOSHARE}", name, ((SHARED_PREFIX_ENV, "0"),))
+    if mode.lower() == DECODE:
+        return SideSpec(f"{name}:{DECODE}", name, (("MLA_PREFILL_SHARED_DECODE", "1"),))
     if mode.lower() == NOGATHER or (
         mode.lower().startswith(GATHER) and _window_ms(mode[len(GATHER) :]) is not None
     ):
@@ -119,7 +122,7 @@ def _configured(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
     if mode.lower() == PAUSE or mode.lower().startswith(PAUSE + "-"):
         return _pause_side(label, name, mode.lower(), earlier)
     raise ValueError(
-        f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{GATHER}, "
+        f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{DECODE}, NAME:{GATHER}, "
         f"NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART; any but a pause "
         "side with :N, another lifetime)"
     )

@@ -57,6 +57,11 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
         ("FLASH_ATTN:noshare", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX": "0"}),
     ]
     assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
+    decode = parse_sides("FLASH_ATTN:decode,FLASH_ATTN:decode:2")
+    assert [(s.label, dict(s.env)) for s in decode] == [
+        ("FLASH_ATTN:decode", {"MLA_PREFILL_SHARED_DECODE": "1"}),
+        ("FLASH_ATTN:decode:2", {"MLA_PREFILL_SHARED_DECODE": "1"}),
+    ]
 
 
 def test_sides_with_and_without_the_engine_cores_gathering():
@@ -374,6 +379,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps": 12,
         "steps_routed": 3,
         "steps_with_segments": 5,
+        "steps_with_decode_groups": 9,
         "blocks_reused": 30720,
         "hits_reused": 30727,
         "gathered": 19,
@@ -382,6 +388,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps": 2,
         "steps_routed": 1,
         "steps_with_segments": 2,
+        "steps_with_decode_groups": 9,
         "blocks_reused": 30720,
         "hits_reused": 30720,
         "gathered": 15,
@@ -414,7 +421,8 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
     ]
     assert bench.path_steps_lines(records) == [  # records of an older run: no point, no repetition
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
-        "blocks_reused [30720, 32768], hits_reused [30720, 30720], gathered [15, 0]"
+        "steps_with_decode_groups [0, 0], blocks_reused [30720, 32768], hits_reused [30720, 30720], "
+        "gathered [15, 0]"
     ]
     # By point, the warm-up left out: two points with equal B and prompt length stay apart.
     shared, private = "shared P=8192 B=16 N=128", "private P=8192 B=16 N=128"
