@@ -298,14 +298,12 @@ SHARED_DECODE_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.decode_rows"
 
 
 def install_shared_decode_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
-    """Serve every group of two decode rows or more sharing a whole block (the tiny model's steps are far
-    below the measured crossover: a correctness check, not a speed one), and wrap ``decode_attention``
-    where the decode-rows hook calls it; each call writes one line of evidence (pid, mode, each group's
-    members and prefix tokens). ``mode``: ``record`` calls it unchanged; ``other-prefix`` shifts each
-    group's prefix row by its width (pages that are not its prefix); ``drop-segment-lse`` leaves the shared
-    calls out of the merge (members attend only their own pages); ``segment-scale`` scales the shared calls'
-    queries by :data:`SEGMENT_SCALE_ERROR` (their softmax scale 2% off). For
-    :func:`uninstall_shared_context_wrapper`."""
+    """Serve any two decode rows sharing a whole block (the tiny model is far below the measured crossover:
+    a correctness check), and wrap ``decode_attention`` where the decode-rows hook calls it, one line of
+    evidence per call (pid, mode, each group's members and prefix tokens). ``other-prefix``: each prefix row
+    shifted by its width (other pages); ``drop-segment-lse``: no shared call (members keep only their own
+    pages); ``segment-scale``: the shared calls' queries times :data:`SEGMENT_SCALE_ERROR` (a softmax scale
+    2% off). For :func:`uninstall_shared_context_wrapper`."""
     import importlib
 
     import wrapt
@@ -323,10 +321,10 @@ def install_shared_decode_wrapper(mode: str, evidence: Path) -> tuple[Any, str, 
         _record(evidence, " ".join([mode, *(f"{g.num_members}:{g.num_tokens}" for g in plan.groups)]))
         if mode == "other-prefix":
             pages = plan.own_block_table.max() + 1  # a device tensor: valid page ids, no sync
-            groups = [
+            moved = [
                 g._replace(prefix_row=(g.prefix_row + g.prefix_row.shape[1]) % pages) for g in plan.groups
             ]
-            plan = plan._replace(groups=groups)
+            plan = plan._replace(groups=moved)
         elif mode == "drop-segment-lse":
             plan = plan._replace(groups=[])
         elif mode == "segment-scale":
