@@ -21,6 +21,9 @@
 #                                                       # short extends on vLLM's prefill path (the path on routes
 #                                                       # them there), the path on, the three wrong-path mutants; their
 #                                                       # verdicts; stock's two paths against each other
+#   bash scripts/gpu_shared_prefix_suite.sh OUT decode-parity  # tiny sharp checkpoint, eager: decode rows over a
+#                                                       # shared prefix (two stock lifetimes, the path with decode
+#                                                       # rows on, its three wrong-decode mutants); their verdicts
 #   bash scripts/gpu_shared_prefix_suite.sh OUT tp2      # two GPUs, vLLM 0.25+: TP=2 with mp and with Ray (Ray
 #                                                       # installed), the path on and off, stock's lifetimes, a
 #                                                       # mutant; one engine per GPU at a time; the verdicts; the
@@ -30,13 +33,14 @@
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
 #                                                       # or a backend; default FLASH_ATTN), its workload's peak
 # PREFIX_LENS=32768,8192 (bench, bench-compiled): the shared points at each prefix length.
-# NAMES=a,b (parity): those scenarios only, and their pairs; the verdicts are replayed on a CPU then.
-# PACK=1 (parity): the scenarios' files as one OUT/scenarios.tar.gz; SHARP_DIR: where the checkpoint goes.
+# NAMES=a,b (parity, decode-parity): those scenarios only (parity: and their pairs); the verdicts are replayed
+# on a CPU then. PACK=1 (parity, decode-parity): the scenarios' files as one OUT/scenarios.tar.gz; SHARP_DIR:
+# where the checkpoint goes.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md ("Shared-prefix engine").
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|tp2|layer|memory}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|decode-parity|tp2|layer|memory}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|decode-parity|tp2|layer|memory}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -103,9 +107,15 @@ lifetimes)
   grep -v "WARNING\|INFO" "$out/engine-$name.log" |
     grep "^|\|^note:\|against every stock lifetime"
   ;;
-parity)
+parity | decode-parity)
   names=stock-shared,stock-shared-2,stock-shared-prefill,stock-shared-prefill-2,stock-shared-prefill-3
-  names=${NAMES:-$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale}
+  names=$names,shim-fa-shared,mutant-shared-other-prefix,mutant-shared-drop-lse,mutant-shared-segment-scale
+  tests=(tests/gpu/test_shared_prefix.py -k "not chunks and not compiled and not off and not shim-fa-shared-2")
+  if [[ $part == decode-parity ]]; then  # every decode scenario, and their verdicts
+    names=$("$python" -c 'from scripts.gpu_harness import scenarios; print(",".join(scenarios.DECODE_SCENARIOS))')
+    tests=(tests/gpu/test_shared_prefix_decode.py)
+  fi
+  names=${NAMES:-$names}
   stamp "scenarios $names"
   # The checkpoint (regenerated from its seed, tens of MB) stays out of OUT.
   "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" \
@@ -115,23 +125,26 @@ parity)
     where=$out/scenarios
     [[ ${PACK:-0} == 1 ]] && where="(OUT/scenarios.tar.gz unpacked)"
     stamp "verdicts: not run (NAMES); replay on a CPU with the stock lifetimes they need, e.g." \
-      "MLA_GPU_RESULTS=EARLIER_RUN:$where python -m pytest -q -s tests/gpu/test_shared_prefix.py -k NAME"
-    "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
+      "MLA_GPU_RESULTS=EARLIER_RUN:$where python -m pytest -q -s ${tests[0]} -k NAME"
     rc=$ran
-    cut -c1-400 "$out/pairs.txt" | tail -20
+    if [[ $part == parity ]]; then
+      "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
+      cut -c1-400 "$out/pairs.txt" | tail -20
+    fi
     pack
     stamp "done: rc=$rc"
     exit "$rc"
   fi
   stamp "verdicts over those scenarios"
-  MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_prefix.py \
-    -k "not chunks and not compiled and not off and not shim-fa-shared-2" >"$out/verdicts.txt" 2>&1
+  MLA_GPU_RESULTS="$out/scenarios" "$python" -m pytest -q -s -p no:cacheprovider "${tests[@]}" >"$out/verdicts.txt" 2>&1
   rc=$?
   ((ran == 0)) || rc=$ran
   tail -15 "$out/verdicts.txt"
-  stamp "every pair: stock lifetimes, candidates, vLLM's two paths for short extends against each other"
-  "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
-  cut -c1-400 "$out/pairs.txt" | tail -20
+  if [[ $part == parity ]]; then
+    stamp "every pair: stock lifetimes, candidates, vLLM's two paths for short extends against each other"
+    "$python" -m scripts.gpu_harness.shared_pairs "$out/scenarios" >"$out/pairs.txt" 2>&1
+    cut -c1-400 "$out/pairs.txt" | tail -20
+  fi
   pack
   ;;
 tp2)
@@ -164,7 +177,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, tp2, layer or memory" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, decode-parity, tp2, layer or memory" >&2
   exit 2
   ;;
 esac

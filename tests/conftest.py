@@ -40,6 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "test_deployments.py",
             "test_bridge_engine.py",
             "test_shared_prefix.py",
+            "test_shared_prefix_decode.py",
             "test_shared_prefix_tp2.py",
         }
         if os.environ.get("MLA_GPU_RESULTS")

@@ -2,9 +2,10 @@
 """Runs one vLLM 0.20 engine scenario on the tiny DeepSeek-V2 and writes its results as JSON.
 
     python scripts/gpu_harness/engine_runner.py --name shim-fa --backend-env FLASH_ATTN --out r.json \\
-        [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks|shared] \\
+        [--model-dir CKPT] [--weights sharp|dummy] [--prompts parity|chunks|shared|shared_decode] \\
         [--context-chunk-tokens N] [--custom | --custom-class mod.Class] [--bench] \\
-        [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse|segment-scale]
+        [--shared-evidence | --shared-mutant other-prefix|drop-segment-lse|segment-scale] \\
+        [--shared-decode | --shared-decode-mutant other-prefix|drop-segment-lse|segment-scale]
 
 One engine lifetime in a fresh process (the add-on's switches reach vLLM's children as a user's
 would). Weights: ``sharp`` (default; make_sharp_checkpoint.py, generated into a cache folder without
@@ -12,14 +13,17 @@ would). Weights: ``sharp`` (default; make_sharp_checkpoint.py, generated into a 
 scenarios). Greedy, ``MAX_TOKENS`` tokens per prompt, recording tokens, their logprobs and the top-2
 (verdict.py). Prompt sets: ``parity`` (every prefill path and a prefix-cache hit), ``chunks`` (a
 12288-token prompt extending a cached 8192-token one, then a fresh 10000-token one), ``shared``
-(:func:`shared_prompt_sets`: requests over one cached prefix, each set in one ``generate`` call).
+(:func:`shared_prompt_sets`: requests over one cached prefix, each set in one ``generate`` call),
+``shared_decode`` (:func:`shared_decode_prompt_sets`: long greedy outputs over one cached prefix).
 
 Test-only wrappers, installed with wrapt before ``LLM(...)`` and inherited by the forked engine core
 (the run fails unless their evidence comes from another process): ``--context-chunk-tokens N`` lowers
 the MLA builder's context workspace to N tokens (N = 2048: 4 context chunks in one step);
 ``--decode-threshold`` lowers its ``reorder_batch_threshold``; ``--shared-evidence`` records each
 shared-prefix plan and ``--shared-mutant`` makes the shared context deliberately wrong
-(:func:`install_shared_context_wrapper`). ``--bench``: prefill throughput over a grid of shapes.
+(:func:`install_shared_context_wrapper`); ``--shared-decode`` turns on decode rows, serves the tiny model's
+groups, records them, and ``--shared-decode-mutant`` makes them wrong (:func:`install_shared_decode_wrapper`).
+``--bench``: prefill throughput over a grid of shapes.
 """
 
 from __future__ import annotations
@@ -59,13 +63,19 @@ SHARED_MAX_NUM_BATCHED_TOKENS = 12288  # 8 x 1200 new tokens in one step
 SHARED_SETS = ("shared_warm", "shared_short", "shared_long", "shared_private_warm", "shared_private")
 SHARED_MUTANTS = ("other-prefix", "drop-segment-lse", "segment-scale")
 SEGMENT_SCALE_ERROR = 1.02  # the segment-scale mutant's softmax scale, relative to the layer's
+# The ``shared_decode`` set: requests over one cached prefix, each extending it past FLASH_ATTN_MLA's decode
+# threshold (512: the first token on vLLM's prefill path, stock's and the add-on's alike), then long greedy
+# outputs: every decode step after that holds one group of DECODE_REQUESTS rows over the prefix.
+DECODE_PREFIX, DECODE_REQUESTS, DECODE_NEW, DECODE_MAX_TOKENS = 2048, 16, 520, 128
+SHARED_DECODE_SETS = ("shared_decode_warm", "shared_decode")
 TOP_LOGPROBS = 2
 BENCH_GRID = [(1024, 1), (1024, 16), (4096, 1), (4096, 8), (8192, 4)]
 BENCH_REPS = 5
 VOCAB = 32000
 
 
-RECORD_KEYS = ("batch", "prefix_hit", "chunks", *SHARED_SETS)  # the prompt sets a result holds, in order
+# The prompt sets a result holds, in order.
+RECORD_KEYS = ("batch", "prefix_hit", "chunks", *SHARED_SETS, *SHARED_DECODE_SETS)
 
 
 def records(data: dict) -> list[dict]:
@@ -93,6 +103,14 @@ def shared_prompt_sets() -> dict[str, list[list[int]]]:
     extends = prompts([SHARED_PRIVATE_NEW] * SHARED_PRIVATE, seed=15)
     sets["shared_private_warm"] = private
     return {**sets, "shared_private": [p + n for p, n in zip(private, extends, strict=True)]}
+
+
+def shared_decode_prompt_sets() -> dict[str, list[list[int]]]:
+    """The ``shared_decode`` prompt set, one ``generate`` call per entry: the prefix alone (cached), then
+    :data:`DECODE_REQUESTS` extends of it by :data:`DECODE_NEW` fresh tokens each."""
+    prefix = prompts([DECODE_PREFIX], seed=21)[0]
+    extends = [prefix + s for s in prompts([DECODE_NEW] * DECODE_REQUESTS, seed=22)]
+    return {"shared_decode_warm": [prefix], "shared_decode": extends}
 
 
 def shared_cached_tokens(key: str) -> int:
@@ -274,6 +292,67 @@ def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str,
     return module, "compute_context", wrapt.wrap_function_wrapper(module, "compute_context", wrapper)
 
 
+# --- test-only: shared-prefix decode rows served on the tiny model, recorded, or made wrong ---------
+
+SHARED_DECODE_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.decode_rows"
+
+
+def install_shared_decode_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
+    """Serve any two decode rows sharing a whole block (the tiny model is far below the measured crossover:
+    a correctness check), and wrap ``decode_attention`` where the decode-rows hook calls it, one line of
+    evidence per call (pid, mode, each group's members and prefix tokens). ``other-prefix``: each prefix row
+    shifted by its width (other pages); ``drop-segment-lse``: no shared call (members keep only their own
+    pages); ``segment-scale``: the shared calls' queries times :data:`SEGMENT_SCALE_ERROR` (a softmax scale
+    2% off). For :func:`uninstall_shared_context_wrapper`."""
+    import importlib
+
+    import wrapt
+
+    from mla_prefill_ext.hosts.core.shared_prefix import costs
+    from mla_prefill_ext.shared_prefix.decode import DecodeCrossover
+
+    if mode not in ("record", *SHARED_MUTANTS):
+        raise ValueError(f"unknown shared-decode wrapper mode {mode!r}")
+    costs.DECODE_VALUE = DecodeCrossover(min_members=2, min_shared_tokens=1)  # any whole block shared
+    module = importlib.import_module(SHARED_DECODE_MODULE)
+
+    def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        q_pe, q_nope, plan, *step, attend, merge = args  # the hook passes them by position
+        _record(evidence, " ".join([mode, *(f"{g.num_members}:{g.num_tokens}" for g in plan.groups)]))
+        if mode == "other-prefix":
+            pages = plan.own_block_table.max() + 1  # a device tensor: valid page ids, no sync
+            moved = [
+                g._replace(prefix_row=(g.prefix_row + g.prefix_row.shape[1]) % pages) for g in plan.groups
+            ]
+            plan = plan._replace(groups=moved)
+        elif mode == "drop-segment-lse":
+            plan = plan._replace(groups=[])
+        elif mode == "segment-scale":
+            right, e = attend, SEGMENT_SCALE_ERROR
+
+            def attend(q_pe: Any, q_nope: Any, *rest: Any) -> Any:  # rest[-1]: causal (a row's own pages)
+                return right(q_pe, q_nope, *rest) if rest[-1] else right(q_pe * e, q_nope * e, *rest)
+
+        return wrapped(q_pe, q_nope, plan, *step, attend, merge)
+
+    return module, "decode_attention", wrapt.wrap_function_wrapper(module, "decode_attention", wrapper)
+
+
+def shared_decode_evidence(evidence: Path) -> dict:
+    """What the shared-decode wrapper wrote."""
+    calls = [
+        (int(pid), mode, [tuple(map(int, g.split(":"))) for g in gs]) for pid, mode, *gs in _lines(evidence)
+    ]
+    groups = [g for c in calls for g in c[2]]
+    return {
+        "modes": sorted({c[1] for c in calls}),
+        "calls_with_groups": sum(1 for c in calls if c[2]),
+        "max_members": max((m for m, _ in groups), default=0),
+        "max_prefix_tokens": max((t for _, t in groups), default=0),
+        **_where({c[0] for c in calls}),
+    }
+
+
 def uninstall_shared_context_wrapper(installed: tuple[Any, str, Any]) -> None:
     module, attribute, wrapper = installed
     setattr(module, attribute, wrapper.__wrapped__)
@@ -304,7 +383,7 @@ def shared_context_evidence(evidence: Path) -> dict:
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
-    budget = SHARED_MAX_NUM_BATCHED_TOKENS if args.prompts == "shared" else MAX_NUM_BATCHED_TOKENS
+    budget = SHARED_MAX_NUM_BATCHED_TOKENS if args.prompts.startswith("shared") else MAX_NUM_BATCHED_TOKENS
     kwargs: dict = dict(skip_tokenizer_init=True, tensor_parallel_size=args.tp, enforce_eager=args.eager)
     kwargs.update(max_model_len=16384, max_num_batched_tokens=budget, gpu_memory_utilization=args.gpu_mem)
     # Prefix caching is V1's default, stated: the prompt sets rely on it.
@@ -362,7 +441,9 @@ def run(args: argparse.Namespace) -> dict:
         install_shared_context_wrapper(args.shared_mode, args.shared_evidence_file)
     if args.decode_threshold:
         install_decode_threshold_wrapper(args.decode_threshold, args.threshold_evidence_file)
-    if args.context_chunk_tokens or args.shared_mode or args.decode_threshold:
+    if args.decode_mode:
+        install_shared_decode_wrapper(args.decode_mode, args.decode_evidence_file)
+    if args.wrapped:
         import torch
 
         if torch.cuda.is_initialized():  # vLLM would then spawn, without the wrapper
@@ -383,10 +464,15 @@ def run(args: argparse.Namespace) -> dict:
         # Prefix-cache hit: shares the first PREFIX_SHARED tokens of an earlier prompt.
         hit = [base[0][:PREFIX_SHARED] + prompts([PREFIX_NEW], seed=2)[0]]
         results["prefix_hit"] = [summarize(o) for o in generate(hit, greedy)]
-    elif args.prompts == "shared":
+    elif args.prompts.startswith("shared"):
+        sets, params = shared_prompt_sets(), greedy
+        if args.prompts == "shared_decode":
+            sets = shared_decode_prompt_sets()
+            params = SamplingParams(temperature=0.0, max_tokens=DECODE_MAX_TOKENS, logprobs=TOP_LOGPROBS)
+            params.detokenize, params.ignore_eos = False, True  # every output as long as asked
         # One call per set: its requests arrive together and are scheduled in one step.
-        for key, token_lists in shared_prompt_sets().items():
-            results[key] = [summarize(o) for o in generate(token_lists, greedy)]
+        for key, token_lists in sets.items():
+            results[key] = [summarize(o) for o in generate(token_lists, params)]
     else:
         # One request at a time, so each step holds one request and the cache is filled
         # before the prompt that reuses it.
@@ -428,12 +514,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--weights", choices=["sharp", "dummy"], default="sharp")
     parser.add_argument("--model-dir", type=Path, help="the sharp checkpoint (default: generated to a cache)")
-    parser.add_argument("--prompts", choices=["parity", "chunks", "shared"], default="parity")
+    parser.add_argument("--prompts", choices="parity chunks shared shared_decode".split(), default="parity")
     parser.add_argument("--context-chunk-tokens", type=int, help="test-only: chunked-context workspace size")
     parser.add_argument("--decode-threshold", type=int, help="test-only: the MLA builders' reorder threshold")
     shared = parser.add_mutually_exclusive_group()
     shared.add_argument("--shared-evidence", action="store_true", help="test-only: record the path's plans")
     shared.add_argument("--shared-mutant", choices=SHARED_MUTANTS, help="test-only: a wrong path")
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument("--shared-decode", action="store_true", help="test-only: decode rows served")
+    decode.add_argument("--shared-decode-mutant", choices=SHARED_MUTANTS, help="test-only: wrong decode rows")
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--executor", choices=["mp", "ray"], help="distributed_executor_backend")
     parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
@@ -467,14 +556,17 @@ def main() -> int:
     if args.spawn:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     args.shared_mode = args.shared_mutant or ("record" if args.shared_evidence else None)
-    if (args.context_chunk_tokens or args.shared_mode or args.decode_threshold) and args.spawn:
+    args.decode_mode = args.shared_decode_mutant or ("record" if args.shared_decode else None)
+    if args.decode_mode:
+        os.environ["MLA_PREFILL_SHARED_DECODE"] = "1"  # read when the add-on instruments vLLM's modules
+    args.wrapped = any((args.context_chunk_tokens, args.shared_mode, args.decode_threshold, args.decode_mode))
+    if args.wrapped and args.spawn:
         parser.error("the test-only wrappers need the engine forked (see the module docstring)")
     out = Path(args.out)
     count_file = out.with_suffix(".calls")
-    args.evidence, args.shared_evidence_file, args.threshold_evidence_file = (
-        out.with_suffix(suffix) for suffix in (".chunks", ".shared", ".threshold")
-    )
-    for stale in (count_file, args.evidence, args.shared_evidence_file, args.threshold_evidence_file):
+    files = [out.with_suffix(suffix) for suffix in (".chunks", ".shared", ".threshold", ".decode")]
+    args.evidence, args.shared_evidence_file, args.threshold_evidence_file, args.decode_evidence_file = files
+    for stale in (count_file, *files):
         stale.unlink(missing_ok=True)
     if args.custom or args.example:
         variable = "MLA_PREFILL_EXAMPLE_COUNT_FILE" if args.example else "MLA_PREFILL_COUNT_FILE"
@@ -515,6 +607,10 @@ def main() -> int:
         failure = f"the --shared-mutant {args.shared_mutant} wrapper {not_forked} (or made no shared plan)"
         evidence = shared_context_evidence(args.shared_evidence_file)
         attach_evidence(record, "shared_context", evidence, failure, required=bool(args.shared_mutant))
+    if args.decode_mode:
+        failure = f"the --shared-decode wrapper {not_forked} (or served no decode group)"
+        evidence = shared_decode_evidence(args.decode_evidence_file)
+        attach_evidence(record, "shared_decode", evidence, failure)
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
         pids, kinds = sorted({int(pid) for pid, _ in calls}), sorted({what.split()[0] for _, what in calls})

@@ -10,7 +10,8 @@ multi-GPU ones, one at a time. ``*-chunks`` and ``mutant-*``: the ``chunks`` pro
 chunks of ``CONTEXT_CHUNK_TOKENS``, against ``stock-chunks`` (the mutants must fail). ``*-shared*``:
 the ``shared`` prompt set (tests/gpu/test_shared_prefix.py): stock lifetimes, stock with short
 extends on its prefill path (``--decode-threshold 1``), the path on, off, in chunks, compiled, and
-wrong shared paths (``--shared-mutant``) that must fail.
+wrong shared paths (``--shared-mutant``) that must fail. ``*-shared-decode*``: the ``shared_decode`` set,
+eager (tests/gpu/test_shared_prefix_decode.py): stock lifetimes, decode rows on, wrong decode rows.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ STOCK_PREFILL = ("--stock", *SHARED, "--decode-threshold", "1")
 SHARED_STOCK = ("stock-shared", "stock-shared-2")
 SHARED_STOCK_PREFILL = ("stock-shared-prefill", "stock-shared-prefill-2", "stock-shared-prefill-3")
 TP2 = ("--tp", "2", "--eager")
+SHARED_DECODE = ("--prompts", "shared_decode", "--eager")
+DECODE_ADDON = (*SHARED_DECODE, "--backend-env", "FLASH_ATTN")
+DECODE_MUTANT = (*DECODE_ADDON, "--shared-decode-mutant")  # then the mutant's name
+SHARED_DECODE_STOCK = ("stock-shared-decode", "stock-shared-decode-2")
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,17 @@ SCENARIOS = {
         Scenario("shim-fa-shared-tp2", (*SHARED_ADDON, *TP2), gpus=2),
         Scenario("shim-fa-shared-off-tp2", (*SHARED_ADDON, *TP2), gpus=2, env=SHARED_OFF),
         Scenario("mutant-shared-segment-scale-tp2", (*SHARED_MUTANT, "segment-scale", *TP2), gpus=2),
+        # Shared-prefix decode rows (issue 51), served only where attention runs in Python: eager.
+        *[Scenario(name, ("--stock", *SHARED_DECODE)) for name in SHARED_DECODE_STOCK],
+        Scenario("shim-fa-shared-decode", (*DECODE_ADDON, "--shared-decode")),
+        Scenario("mutant-shared-decode-other-prefix", (*DECODE_MUTANT, "other-prefix")),
+        Scenario("mutant-shared-decode-drop-lse", (*DECODE_MUTANT, "drop-segment-lse")),
+        Scenario("mutant-shared-decode-segment-scale", (*DECODE_MUTANT, "segment-scale")),
     ]
 }
 BENCH_SCENARIOS = {"stock", "shim-fa", "shim-fi"}
-SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 1]
+DECODE_SCENARIOS = [n for n in SCENARIOS if "-shared-decode" in n]
+SHARED_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and "-decode" not in n and SCENARIOS[n].gpus == 1]
 SHARED_TP2_SCENARIOS = [n for n in SCENARIOS if "-shared" in n and SCENARIOS[n].gpus == 2]
 
 

@@ -148,6 +148,14 @@ def lifetime_judge(spread: list[verdict.Verdict]) -> Any:
     return functools.partial(verdict.lifetime_noise, calibrations=spread)
 
 
+@functools.cache
+def stock_calibrations(group: tuple[str, ...]) -> list[verdict.Verdict]:
+    """Stock against stock: every pair of the group's recorded lifetimes (bf16_noise, passed or not)."""
+    lifetimes = [(f"{n} ({d.name})", records(data)) for n in group for d, data in runs(n) if data.get("ok")]
+    assert len(lifetimes) >= 2, f"stock's spread needs two lifetimes of {group}, found {len(lifetimes)}"
+    return verdict.lifetime_calibrations(lifetimes)
+
+
 def assert_shared_prefix_served(data: dict) -> None:
     """A shared-set run on the sharp checkpoint whose every prompt was served its prefix from the cache."""
     assert data["weights"] == "sharp", "parity must run on the sharp checkpoint"

@@ -21,8 +21,6 @@ on the CPU in tests/gpu_harness/test_shared_scenarios.py.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from scripts.gpu_harness import engine_runner, scenarios, verdict
@@ -33,9 +31,8 @@ from tests.gpu.recorded_runs import (
     check,
     lifetime_judge,
     log_of,
-    records,
     result,
-    runs,
+    stock_calibrations,
 )
 
 pytestmark = pytest.mark.gpu
@@ -64,16 +61,8 @@ def _group(reference: str) -> tuple[str, ...]:
     return tuple(STOCK_PREFILL if reference.startswith("stock-shared-prefill") else STOCK)
 
 
-@functools.cache
-def calibrations(group: tuple[str, ...]) -> list[verdict.Verdict]:
-    """Stock against stock: every pair of the group's recorded lifetimes (bf16_noise, passed or not)."""
-    lifetimes = [(f"{n} ({d.name})", records(data)) for n in group for d, data in runs(n) if data.get("ok")]
-    assert len(lifetimes) >= 2, f"stock's spread needs two lifetimes of {group}, found {len(lifetimes)}"
-    return verdict.lifetime_calibrations(lifetimes)
-
-
 def _lifetime_judge(reference: str):
-    return lifetime_judge(calibrations(_group(reference)))
+    return lifetime_judge(stock_calibrations(_group(reference)))
 
 
 def _ok(name: str) -> dict:
@@ -91,7 +80,7 @@ def test_the_prefix_is_served_from_the_cache(name):
 def test_stocks_own_spread_on_this_set_is_measured_and_bounded(group):
     """Stock's lifetimes against each other: the bound the candidates are held to, printed; capped so
     that a stock run gone wrong cannot widen it without limit."""
-    spread = calibrations(tuple(group))
+    spread = stock_calibrations(tuple(group))
     for v in spread:
         print(f"stock against stock: {v.label}: max |logprob diff| {v.max_diff:.4g}, {len(v.flips)} flip(s)")
     bound = verdict.lifetime_bound(spread)
