@@ -130,46 +130,40 @@ def ensure_checkpoint(model_dir: Path) -> Path:
     return model_dir
 
 
-# --- test-only: smaller context chunks, with evidence from the engine process ---------------
+# --- test-only wrappers: one install mechanism, one evidence file (from the engine process) -----
+
+# One installed wrapper: (module, attribute path, wrapt's handle), for :func:`uninstall`.
+Installed = tuple[Any, str, Any]
 
 
-def _record(evidence: Path, line: str) -> None:
-    """One line of a test-only wrapper's evidence, after the writing process's pid (see :func:`_lines`)."""
-    with open(evidence, "a") as f:
-        f.write(f"{os.getpid()} {line}\n")
+def _wrap(module_name: str, wrappers: dict[str, Any]) -> list[Installed]:
+    """wrapt function wrappers on attributes (dotted paths) of ``module_name``."""
+    import importlib
 
-
-def install_context_chunk_wrapper(tokens: int, evidence: Path) -> list[tuple[str, Any]]:
-    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, set its chunked-context workspace size
-    to ``tokens`` and record each step's context chunks; ``(path, wrapper)`` pairs (the CPU test
-    unwraps them). Safe on vLLM 0.20.2: ``build()`` cuts the context by that size, and the workspace
-    keeps its stock (larger) allocation, of which a chunk uses the first rows."""
     import wrapt
-    from vllm.model_executor.layers.attention import mla_attention
 
-    def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        wrapped(*args, **kwargs)
-        stock = instance.chunked_prefill_workspace_size
-        if tokens > stock:
-            raise ValueError(f"--context-chunk-tokens {tokens} exceeds the stock workspace ({stock} tokens)")
-        instance.chunked_prefill_workspace_size = tokens
-        _record(evidence, f"init {stock} {tokens}")
-
-    def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        metadata = wrapped(*args, **kwargs)
-        chunked = getattr(getattr(metadata, "prefill", None), "chunked_context", None)
-        if chunked is not None:  # host lists: no device sync
-            _record(evidence, f"chunks {len(chunked.seq_tot)} {max(chunked.max_seq_lens)}")
-        return metadata
-
-    wrappers = {"__init__": builder_init, "build": builder_build}
-    paths = {f"MLACommonMetadataBuilder.{name}": w for name, w in wrappers.items()}
-    return [(path, wrapt.wrap_function_wrapper(mla_attention, path, w)) for path, w in paths.items()]
+    module = importlib.import_module(module_name)
+    return [(module, path, wrapt.wrap_function_wrapper(module, path, w)) for path, w in wrappers.items()]
 
 
-def _lines(evidence: Path) -> list[list[str]]:
-    """A test-only wrapper's evidence, each line split: ``PID WHAT ...`` (none: it never wrote)."""
-    return [line.split() for line in evidence.read_text().splitlines()] if evidence.exists() else []
+def uninstall(installed: list[Installed]) -> None:
+    """Remove wrappers :func:`_wrap` installed, the last first (tests; the runner's engine ends with them)."""
+    import wrapt
+
+    for module, path, handle in reversed(installed):
+        wrapt.unwrap_object(module, path, handle)
+
+
+def _record(evidence: Path, kind: str, *fields: Any) -> None:
+    """One line of a wrapper's evidence: ``PID KIND FIELD ...`` (the pid tells which process wrote it)."""
+    with open(evidence, "a") as f:
+        f.write(" ".join(map(str, (os.getpid(), kind, *fields))) + "\n")
+
+
+def _lines(evidence: Path, *kinds: str) -> list[tuple[int, str, list[str]]]:
+    """The evidence lines of ``kinds``, as ``(pid, kind, fields)`` (none: no wrapper wrote)."""
+    lines = evidence.read_text().splitlines() if evidence.exists() else []
+    return [(int(pid), kind, rest) for pid, kind, *rest in map(str.split, lines) if kind in kinds]
 
 
 def _where(pids: set[int]) -> dict:
@@ -182,51 +176,69 @@ def _where(pids: set[int]) -> dict:
     }
 
 
+# --- test-only: vLLM's MLA builder with smaller context chunks or a lower decode threshold ------------
+
+
+def install_builder_wrappers(
+    evidence: Path, chunk_tokens: int | None = None, threshold: int | None = None
+) -> list[Installed]:
+    """After vLLM's own ``MLACommonMetadataBuilder.__init__``: with ``chunk_tokens``, set its chunked-context
+    workspace size to it (``init STOCK NEW``) and record each step's context chunks from ``build``
+    (``chunks N LONGEST``); safe on vLLM 0.20.2: ``build()`` cuts the context by that size, and the
+    workspace keeps its stock (larger) allocation, of which a chunk uses the first rows. With ``threshold``,
+    lower its ``reorder_batch_threshold`` (1: only one-token queries are decodes; the runner reads it after
+    construction), so that stock serves short extends on its prefill path, the reference for a candidate
+    that routes them there (``threshold STOCK NEW``)."""
+
+    def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        if chunk_tokens:
+            stock = instance.chunked_prefill_workspace_size
+            if chunk_tokens > stock:
+                raise ValueError(
+                    f"--context-chunk-tokens {chunk_tokens} exceeds the stock workspace ({stock})"
+                )
+            instance.chunked_prefill_workspace_size = chunk_tokens
+            _record(evidence, "init", stock, chunk_tokens)
+        if threshold:
+            stock = instance.reorder_batch_threshold
+            instance.reorder_batch_threshold = min(stock, threshold)
+            _record(evidence, "threshold", stock, instance.reorder_batch_threshold)
+
+    def builder_build(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        metadata = wrapped(*args, **kwargs)
+        chunked = getattr(getattr(metadata, "prefill", None), "chunked_context", None)
+        if chunked is not None:  # host lists: no device sync
+            _record(evidence, "chunks", len(chunked.seq_tot), max(chunked.max_seq_lens))
+        return metadata
+
+    wrappers = {"MLACommonMetadataBuilder.__init__": builder_init}
+    if chunk_tokens:
+        wrappers["MLACommonMetadataBuilder.build"] = builder_build
+    return _wrap("vllm.model_executor.layers.attention.mla_attention", wrappers)
+
+
 def chunk_evidence(evidence: Path, tokens: int) -> dict:
-    """What the context-chunk wrapper wrote (``ran_in_engine_process``: its builders' inits)."""
-    inits, chunks = [], []
-    for pid, what, *rest in _lines(evidence):
-        (inits if what == "init" else chunks).append((int(pid), *map(int, rest)))
-    where = _where({pid for pid, *_ in inits + chunks})
+    """What the builder wrappers wrote of context chunks (``ran_in_engine_process``: its inits)."""
+    lines = [(pid, kind, *map(int, rest)) for pid, kind, rest in _lines(evidence, "init", "chunks")]
+    inits, chunks = [x for x in lines if x[1] == "init"], [x for x in lines if x[1] == "chunks"]
+    where = _where({x[0] for x in lines})
     return {
         "context_chunk_tokens": tokens,
         "builder_inits": len(inits),
-        "stock_workspace_tokens": sorted({stock for _, stock, _ in inits}),
+        "stock_workspace_tokens": sorted({x[2] for x in inits}),
         "steps_with_context": len(chunks),
-        "chunks_per_step": [n for _, n, _ in chunks],
-        "max_chunks_per_step": max((n for _, n, _ in chunks), default=0),
-        "max_chunk_tokens": max((m for _, _, m in chunks), default=0),
+        "chunks_per_step": [x[2] for x in chunks],
+        "max_chunks_per_step": max((x[2] for x in chunks), default=0),
+        "max_chunk_tokens": max((x[3] for x in chunks), default=0),
         **where,
         "ran_in_engine_process": where["ran_in_engine_process"] and bool(inits),
     }
 
 
-# --- test-only: vLLM's own prefill path for short extends ---------------------------------------
-
-
-def install_decode_threshold_wrapper(threshold: int, evidence: Path) -> list[tuple[str, Any]]:
-    """After vLLM's own ``MLACommonMetadataBuilder.__init__``, lower its ``reorder_batch_threshold`` to
-    ``threshold`` (1: only one-token queries are decodes; the runner reads it after construction), so
-    that stock serves short extends on its prefill path: the reference for a candidate that routes
-    them there. Records ``threshold STOCK NEW`` per builder."""
-    import wrapt
-    from vllm.model_executor.layers.attention import mla_attention
-
-    def builder_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        wrapped(*args, **kwargs)
-        stock = instance.reorder_batch_threshold
-        instance.reorder_batch_threshold = min(stock, threshold)
-        _record(evidence, f"threshold {stock} {instance.reorder_batch_threshold}")
-
-    path = "MLACommonMetadataBuilder.__init__"
-    return [(path, wrapt.wrap_function_wrapper(mla_attention, path, builder_init))]
-
-
 def decode_threshold_evidence(evidence: Path, threshold: int) -> dict:
-    """What the threshold wrapper wrote."""
-    rows = [
-        (int(pid), int(stock), int(new)) for pid, what, stock, new in _lines(evidence) if what == "threshold"
-    ]
+    """What the builder wrappers wrote of the decode threshold."""
+    rows = [(pid, int(stock), int(new)) for pid, _, (stock, new) in _lines(evidence, "threshold")]
     return {
         "decode_threshold": threshold,
         "builder_inits": len(rows),
@@ -236,37 +248,33 @@ def decode_threshold_evidence(evidence: Path, threshold: int) -> dict:
     }
 
 
-# --- test-only: the shared-prefix context computation recorded, or made wrong ------------------
+# --- test-only: the shared-prefix path recorded, or made wrong: prefill context and decode rows ------
 
 SHARED_LAYER_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.layer"
+SHARED_DECODE_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.decode_rows"
 
 
-def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
+def install_shared_context_wrapper(mode: str, evidence: Path) -> list[Installed]:
     """Wrap ``compute_context`` where the shared-prefix layer hook calls it; each call writes one line
-    of evidence (pid, mode, passes, each segment's members, tokens and longest query).
+    of evidence (``context MODE``, passes, each segment's members, tokens and longest query).
 
     ``mode``: ``record`` calls it unchanged; ``other-prefix`` shifts the segment block table by its
     width (each segment gathers blocks that are not its prefix); ``drop-segment-lse`` runs the plan
     without its segments (with no private context either: zero output, LSE -inf, as vLLM writes for a
     request without context); ``segment-scale`` scales the segments' softmax by
-    :data:`SEGMENT_SCALE_ERROR`. Returns ``(module, attribute, wrapper)`` for
-    :func:`uninstall_shared_context_wrapper`."""
+    :data:`SEGMENT_SCALE_ERROR`."""
     import copy
     import dataclasses
-    import importlib
 
     import torch
-    import wrapt
 
     if mode not in ("record", *SHARED_MUTANTS):
         raise ValueError(f"unknown shared-context wrapper mode {mode!r}")
-    module = importlib.import_module(SHARED_LAYER_MODULE)
 
     def record(plan: Any) -> None:
         longest = [max(e - b for b, e in s.query_ranges) for s in plan.segments]
         shapes = [f"{len(s.members)}:{s.num_tokens}:{q}" for s, q in zip(plan.segments, longest, strict=True)]
-        passes = f"{len(plan.segment_passes)} {len(plan.private_passes)}"
-        _record(evidence, f"{mode} {passes} {' '.join(shapes)}")
+        _record(evidence, "context", mode, len(plan.segment_passes), len(plan.private_passes), *shapes)
 
     def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return call(wrapped, *args, **kwargs)
@@ -289,36 +297,26 @@ def install_shared_context_wrapper(mode: str, evidence: Path) -> tuple[Any, str,
             return wrapped(q, dataclasses.replace(plan, segments=()), table, step_backend, None, layer)
         return wrapped(q, plan, table, step_backend, segment_backend, layer)
 
-    return module, "compute_context", wrapt.wrap_function_wrapper(module, "compute_context", wrapper)
+    return _wrap(SHARED_LAYER_MODULE, {"compute_context": wrapper})
 
 
-# --- test-only: shared-prefix decode rows served on the tiny model, recorded, or made wrong ---------
-
-SHARED_DECODE_MODULE = "mla_prefill_ext.hosts.core.shared_prefix.decode_rows"
-
-
-def install_shared_decode_wrapper(mode: str, evidence: Path) -> tuple[Any, str, Any]:
+def install_shared_decode_wrapper(mode: str, evidence: Path) -> list[Installed]:
     """Serve any two decode rows sharing a whole block (the tiny model is far below the measured crossover:
     a correctness check), and wrap ``decode_attention`` where the decode-rows hook calls it, one line of
-    evidence per call (pid, mode, each group's members and prefix tokens). ``other-prefix``: each prefix row
-    shifted by its width (other pages); ``drop-segment-lse``: no shared call (members keep only their own
-    pages); ``segment-scale``: the shared calls' queries times :data:`SEGMENT_SCALE_ERROR` (a softmax scale
-    2% off). For :func:`uninstall_shared_context_wrapper`."""
-    import importlib
-
-    import wrapt
-
+    evidence per call (``decode MODE``, each group's members and prefix tokens). ``other-prefix``: each
+    prefix row shifted by its width (other pages); ``drop-segment-lse``: no shared call (members keep only
+    their own pages); ``segment-scale``: the shared calls' queries times :data:`SEGMENT_SCALE_ERROR` (a
+    softmax scale 2% off)."""
     from mla_prefill_ext.hosts.core.shared_prefix import costs
     from mla_prefill_ext.shared_prefix.decode import DecodeCrossover
 
     if mode not in ("record", *SHARED_MUTANTS):
         raise ValueError(f"unknown shared-decode wrapper mode {mode!r}")
     costs.DECODE_VALUE = DecodeCrossover(min_members=2, min_shared_tokens=1)  # any whole block shared
-    module = importlib.import_module(SHARED_DECODE_MODULE)
 
     def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         q_pe, q_nope, plan, *step, attend, merge = args  # the hook passes them by position
-        _record(evidence, " ".join([mode, *(f"{g.num_members}:{g.num_tokens}" for g in plan.groups)]))
+        _record(evidence, "decode", mode, *(f"{g.num_members}:{g.num_tokens}" for g in plan.groups))
         if mode == "other-prefix":
             pages = plan.own_block_table.max() + 1  # a device tensor: valid page ids, no sync
             moved = [
@@ -335,34 +333,18 @@ def install_shared_decode_wrapper(mode: str, evidence: Path) -> tuple[Any, str, 
 
         return wrapped(q_pe, q_nope, plan, *step, attend, merge)
 
-    return module, "decode_attention", wrapt.wrap_function_wrapper(module, "decode_attention", wrapper)
+    return _wrap(SHARED_DECODE_MODULE, {"decode_attention": wrapper})
 
 
-def shared_decode_evidence(evidence: Path) -> dict:
-    """What the shared-decode wrapper wrote."""
-    calls = [
-        (int(pid), mode, [tuple(map(int, g.split(":"))) for g in gs]) for pid, mode, *gs in _lines(evidence)
-    ]
-    groups = [g for c in calls for g in c[2]]
-    return {
-        "modes": sorted({c[1] for c in calls}),
-        "calls_with_groups": sum(1 for c in calls if c[2]),
-        "max_members": max((m for m, _ in groups), default=0),
-        "max_prefix_tokens": max((t for _, t in groups), default=0),
-        **_where({c[0] for c in calls}),
-    }
-
-
-def uninstall_shared_context_wrapper(installed: tuple[Any, str, Any]) -> None:
-    module, attribute, wrapper = installed
-    setattr(module, attribute, wrapper.__wrapped__)
+def _shapes(fields: list[str]) -> list[tuple[int, ...]]:
+    return [tuple(map(int, f.split(":"))) for f in fields]
 
 
 def shared_context_evidence(evidence: Path) -> dict:
     """What the shared-context wrapper wrote."""
     calls = [
-        (int(pid), mode, int(seg_passes), int(own_passes), [tuple(map(int, s.split(":"))) for s in segs])
-        for pid, mode, seg_passes, own_passes, *segs in _lines(evidence)
+        (pid, mode, int(s), int(o), _shapes(segs))
+        for pid, _, (mode, s, o, *segs) in _lines(evidence, "context")
     ]
     shapes = [s for c in calls for s in c[4]]
     return {
@@ -375,6 +357,19 @@ def shared_context_evidence(evidence: Path) -> dict:
         "max_short_extend_members": max((m for m, _, q in shapes if q <= 512), default=0),
         "max_segment_passes": max((c[2] for c in calls), default=0),
         "max_private_passes": max((c[3] for c in calls), default=0),
+        **_where({c[0] for c in calls}),
+    }
+
+
+def shared_decode_evidence(evidence: Path) -> dict:
+    """What the shared-decode wrapper wrote."""
+    calls = [(pid, mode, _shapes(groups)) for pid, _, (mode, *groups) in _lines(evidence, "decode")]
+    groups = [g for c in calls for g in c[2]]
+    return {
+        "modes": sorted({c[1] for c in calls}),
+        "calls_with_groups": sum(1 for c in calls if c[2]),
+        "max_members": max((m for m, _ in groups), default=0),
+        "max_prefix_tokens": max((t for _, t in groups), default=0),
         **_where({c[0] for c in calls}),
     }
 
@@ -435,14 +430,12 @@ def run(args: argparse.Namespace) -> dict:
         path = args.custom_class or "counting_backend.CountingPrefillBackend"
         register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, path)
 
-    if args.context_chunk_tokens:
-        install_context_chunk_wrapper(args.context_chunk_tokens, args.evidence)
+    if args.context_chunk_tokens or args.decode_threshold:
+        install_builder_wrappers(args.evidence, args.context_chunk_tokens, args.decode_threshold)
     if args.shared_mode:
-        install_shared_context_wrapper(args.shared_mode, args.shared_evidence_file)
-    if args.decode_threshold:
-        install_decode_threshold_wrapper(args.decode_threshold, args.threshold_evidence_file)
+        install_shared_context_wrapper(args.shared_mode, args.evidence)
     if args.decode_mode:
-        install_shared_decode_wrapper(args.decode_mode, args.decode_evidence_file)
+        install_shared_decode_wrapper(args.decode_mode, args.evidence)
     if args.wrapped:
         import torch
 
@@ -531,14 +524,30 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def attach_evidence(record: dict, key: str, evidence: dict, failure: str, required: bool = True) -> None:
-    """A test-only wrapper's evidence into the run's record (and the log); a run that went well fails
-    with ``failure`` when the evidence is ``required`` and did not come from the engine process."""
-    record[key] = evidence
-    print(f"{key.replace('_', ' ')}:", json.dumps(evidence), flush=True)
-    if record["ok"] and required and not evidence["ran_in_engine_process"]:
-        record["ok"] = False
-        record["error"] = failure
+def attach_evidence(record: dict, args: argparse.Namespace) -> None:
+    """The test-only wrappers' evidence into the run's record (and the log); a run that went well fails
+    when a wrapper's evidence is required and did not come from the engine process."""
+    evidence, attached = args.evidence, []  # (record key, summary, the flag, more on a failure, required)
+    if args.context_chunk_tokens:
+        chunks = chunk_evidence(evidence, args.context_chunk_tokens)
+        attached.append(("context_chunks", chunks, "--context-chunk-tokens", "", True))
+    if args.decode_threshold:
+        threshold = decode_threshold_evidence(evidence, args.decode_threshold)
+        attached.append(("decode_threshold", threshold, "--decode-threshold", "", True))
+    if args.shared_mode:
+        context, flag = shared_context_evidence(evidence), f"--shared-mutant {args.shared_mutant}"
+        attached.append(
+            ("shared_context", context, flag, " (or made no shared plan)", bool(args.shared_mutant))
+        )
+    if args.decode_mode:
+        decode = shared_decode_evidence(evidence)
+        attached.append(("shared_decode", decode, "--shared-decode", " (or served no decode group)", True))
+    not_forked = "left no evidence from the engine process (was the engine core spawned instead of forked?)"
+    for key, summary, flag, more, required in attached:
+        record[key] = summary
+        print(f"{key.replace('_', ' ')}:", json.dumps(summary), flush=True)
+        if record["ok"] and required and not summary["ran_in_engine_process"]:
+            record.update(ok=False, error=f"the {flag} wrapper {not_forked}{more}")
 
 
 def main() -> int:
@@ -564,9 +573,8 @@ def main() -> int:
         parser.error("the test-only wrappers need the engine forked (see the module docstring)")
     out = Path(args.out)
     count_file = out.with_suffix(".calls")
-    files = [out.with_suffix(suffix) for suffix in (".chunks", ".shared", ".threshold", ".decode")]
-    args.evidence, args.shared_evidence_file, args.threshold_evidence_file, args.decode_evidence_file = files
-    for stale in (count_file, *files):
+    args.evidence = out.with_suffix(".evidence")  # every test-only wrapper's lines
+    for stale in (count_file, args.evidence):
         stale.unlink(missing_ok=True)
     if args.custom or args.example:
         variable = "MLA_PREFILL_EXAMPLE_COUNT_FILE" if args.example else "MLA_PREFILL_COUNT_FILE"
@@ -594,23 +602,7 @@ def main() -> int:
     except Exception as e:  # the failure itself is the result for startup-error scenarios
         record.update(ok=False, error=f"{type(e).__name__}: {e}")
         traceback.print_exc()
-    not_forked = "left no evidence from the engine process (was the engine core spawned instead of forked?)"
-    if args.context_chunk_tokens:
-        evidence = chunk_evidence(args.evidence, args.context_chunk_tokens)
-        attach_evidence(
-            record, "context_chunks", evidence, f"the --context-chunk-tokens wrapper {not_forked}"
-        )
-    if args.decode_threshold:
-        evidence = decode_threshold_evidence(args.threshold_evidence_file, args.decode_threshold)
-        attach_evidence(record, "decode_threshold", evidence, f"the --decode-threshold wrapper {not_forked}")
-    if args.shared_mode:
-        failure = f"the --shared-mutant {args.shared_mutant} wrapper {not_forked} (or made no shared plan)"
-        evidence = shared_context_evidence(args.shared_evidence_file)
-        attach_evidence(record, "shared_context", evidence, failure, required=bool(args.shared_mutant))
-    if args.decode_mode:
-        failure = f"the --shared-decode wrapper {not_forked} (or served no decode group)"
-        evidence = shared_decode_evidence(args.decode_evidence_file)
-        attach_evidence(record, "shared_decode", evidence, failure)
+    attach_evidence(record, args)
     if (args.custom or args.example) and count_file.exists():
         calls = [line.split(" ", 1) for line in count_file.read_text().splitlines()]
         pids, kinds = sorted({int(pid) for pid, _ in calls}), sorted({what.split()[0] for _, what in calls})

@@ -83,7 +83,7 @@ def test_the_shared_decode_wrapper_serves_the_step_and_is_wrong_only_as_a_mutant
     evidence = tmp_path / "r.decode"
     installed = engine_runner.install_shared_decode_wrapper(mode, evidence)
     try:
-        assert hook.decode_attention is installed[2] and hook.decode_attention.__wrapped__ is original
+        assert hook.decode_attention is installed[0][2] and hook.decode_attention.__wrapped__ is original
         plan = plan_decode(ROWS, SEQ_LENS, np.ones_like(SEQ_LENS), BS, costs.DECODE_VALUE)  # now served
         cache, q_pe, q_nope = step()
         attend = paged_latent_attention(cache, SCALE)
@@ -92,7 +92,7 @@ def test_the_shared_decode_wrapper_serves_the_step_and_is_wrong_only_as_a_mutant
         cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
         out, _ = hook.decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge_attn_states_torch)
     finally:
-        engine_runner.uninstall_shared_context_wrapper(installed)
+        engine_runner.uninstall(installed)
     assert hook.decode_attention is original
     members = slice(0, 4)  # rows 0-3 share three blocks
     torch.testing.assert_close(out[4:].double(), want[4:].double(), rtol=1e-5, atol=1e-5)

@@ -143,7 +143,7 @@ def test_the_shared_context_wrapper_installs_changes_the_plan_and_unwraps(probe,
     evidence = tmp_path / "r.shared"
     installed = engine_runner.install_shared_context_wrapper(mode, evidence)
     try:
-        assert layer.compute_context is installed[2] and layer.compute_context.__wrapped__ is original
+        assert layer.compute_context is installed[0][2] and layer.compute_context.__wrapped__ is original
         kv_cache = torch.zeros(10, BS, 8)
         q = torch.zeros(9, 2, 8)
         segment_backend = SimpleNamespace(scale=0.125)
@@ -151,7 +151,7 @@ def test_the_shared_context_wrapper_installs_changes_the_plan_and_unwraps(probe,
             q, plan, torch.zeros(3, 4), object(), segment_backend, SimpleNamespace(kv_cache=kv_cache)
         )
     finally:
-        engine_runner.uninstall_shared_context_wrapper(installed)
+        engine_runner.uninstall(installed)
     assert layer.compute_context is original
     seen, seen_backend = calls[-1]
     if mode == "record":
@@ -188,7 +188,7 @@ def test_a_shared_mutant_leaves_the_plan_it_was_given_unchanged(probe, tmp_path)
             torch.zeros(9, 2, 8), plan, None, None, None, SimpleNamespace(kv_cache=torch.zeros(10, BS, 8))
         )
     finally:
-        engine_runner.uninstall_shared_context_wrapper(installed)
+        engine_runner.uninstall(installed)
     assert torch.equal(plan.segment_block_table, before.segment_block_table)  # the step's plan is shared
     assert calls[-1][0] is not plan
 
@@ -233,11 +233,11 @@ def test_the_decode_threshold_wrapper_lowers_a_real_builders_threshold_and_unwra
 
     assert build().reorder_batch_threshold == DECODE_THRESHOLD  # unwrapped: vLLM's own value
     evidence = tmp_path / "run.threshold"
-    [(path, wrapper)] = engine_runner.install_decode_threshold_wrapper(1, evidence)
+    [(_, path, _)] = installed = engine_runner.install_builder_wrappers(evidence, threshold=1)
     try:
         assert build().reorder_batch_threshold == 1
     finally:
-        mla_attention.MLACommonMetadataBuilder.__init__ = wrapper.__wrapped__
+        engine_runner.uninstall(installed)
     assert build().reorder_batch_threshold == DECODE_THRESHOLD
     assert path == "MLACommonMetadataBuilder.__init__"
     assert evidence.read_text().splitlines() == [f"{os.getpid()} threshold {DECODE_THRESHOLD} 1"]
@@ -245,6 +245,24 @@ def test_the_decode_threshold_wrapper_lowers_a_real_builders_threshold_and_unwra
     # Written from this process here; in a scenario, from the engine's.
     assert summary["stock_thresholds"] == [DECODE_THRESHOLD] and summary["thresholds"] == [1]
     assert not summary["ran_in_engine_process"]
+
+
+def test_each_evidence_reader_takes_only_its_wrappers_lines_of_the_one_file(tmp_path):
+    """A run's wrappers all write to one evidence file (--context-chunk-tokens with --decode-threshold,
+    --shared-evidence with --shared-decode): each summary counts only the lines of its own kind."""
+    evidence = tmp_path / "run.evidence"
+    lines = ["7 init 65536 2048", "7 threshold 512 1", "7 chunks 4 2048", "7 context record 1 0 16:6144:200"]
+    evidence.write_text("\n".join([*lines, "7 decode record 16:2048"]) + "\n")
+    chunks = engine_runner.chunk_evidence(evidence, 2048)
+    assert (chunks["builder_inits"], chunks["chunks_per_step"], chunks["ran_in_engine_process"]) == (
+        1,
+        [4],
+        True,
+    )
+    assert engine_runner.decode_threshold_evidence(evidence, 1)["thresholds"] == [1]
+    context = engine_runner.shared_context_evidence(evidence)
+    assert (context["calls"], context["max_members"], context["max_short_extend_members"]) == (1, 16, 16)
+    assert engine_runner.shared_decode_evidence(evidence)["max_prefix_tokens"] == 2048
 
 
 def test_the_pairs_of_the_recorded_h200_run_read_as_the_docs_say(capsys):

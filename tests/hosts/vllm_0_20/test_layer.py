@@ -389,18 +389,13 @@ def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
     the add-on activates (as in the runner, before LLM(...)), with the add-on's own wrappers
     on top: the add-on still patches, the builder chunks the context by the lowered size,
     and the evidence file records it (here from this process; on the GPU, the engine's)."""
-    import importlib
-
-    import wrapt
-
     import mla_prefill_ext
     from mla_prefill_ext.hosts import vllm_0_20 as patches
     from scripts.gpu_harness import engine_runner
 
-    mla_module = importlib.import_module(patches.MLA_MODULE)
     evidence = tmp_path / "r.chunks"
     mla_prefill_ext.deactivate()
-    handles = engine_runner.install_context_chunk_wrapper(CHUNK_WORKSPACE, evidence)
+    installed = engine_runner.install_builder_wrappers(evidence, chunk_tokens=CHUNK_WORKSPACE)
     try:
         mla_prefill_ext.activate()
         assert patches.is_instrumented(), patches.state().skipped_reason
@@ -409,8 +404,7 @@ def test_gpu_runner_context_chunk_wrapper_lowers_the_workspace_under_the_addon(
         result = two_steps_with_context(cfg, layer, chunk_workspace=None)
     finally:
         mla_prefill_ext.deactivate()
-        for path, handle in reversed(handles):
-            wrapt.unwrap_object(mla_module, path, handle)
+        engine_runner.uninstall(installed)
         mla_prefill_ext.activate()
     assert result["chunks"] == 3 and max(result["errors"]) <= TOLERANCE, result
     summary = engine_runner.chunk_evidence(evidence, CHUNK_WORKSPACE)
