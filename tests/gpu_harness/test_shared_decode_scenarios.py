@@ -13,13 +13,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from engine_prompt_limits import BLOCK_SLACK, DECODE_THRESHOLD
+from shared_decode_step import BS, ROWS, SCALE, SEQ_LENS, step, vllm_decode
 
 from mla_prefill_ext.hosts.core.shared_prefix import costs
 from mla_prefill_ext.shared_prefix.decode import DECODE_CROSSOVER, plan_decode
 from mla_prefill_ext.testing.reference import merge_attn_states_torch, paged_latent_attention
 from scripts.gpu_harness import engine_runner, scenarios
-from tests.gpu_harness.test_shared_scenarios import BLOCK_SLACK, DECODE_THRESHOLD
-from tests.shared_prefix.test_decode import BS, ROWS, SCALE, SEQ_LENS, step, vllm_decode
 
 
 def test_the_decode_set_shares_one_cached_prefix_and_fits_one_prefill_step():

@@ -15,12 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_prompt_limits import BLOCK_SLACK, DECODE_THRESHOLD
 
 from scripts.gpu_harness import engine_runner, scenarios
 
 STOCK = ["stock-shared", "stock-shared-2"]
-BLOCK_SLACK = 64  # the largest page size of the MLA backends
-DECODE_THRESHOLD = 512  # FLASH_ATTN_MLA's reorder_batch_threshold: extends up to this are decodes in stock
 
 
 def test_the_shared_prompt_sets_share_one_prefix_and_differ_after_it():

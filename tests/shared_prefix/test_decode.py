@@ -13,43 +13,10 @@ import functools
 import numpy as np
 import pytest
 import torch
+from shared_decode_step import BS, EVERY_GROUP, ROWS, SCALE, SEQ_LENS, step, vllm_decode
 
-from mla_prefill_ext.shared_prefix.decode import (
-    DECODE_CROSSOVER,
-    DecodeCrossover,
-    decode_attention,
-    plan_decode,
-)
+from mla_prefill_ext.shared_prefix.decode import DECODE_CROSSOVER, decode_attention, plan_decode
 from mla_prefill_ext.testing.reference import merge_attn_states_torch, paged_latent_attention
-
-BS, RANK, ROPE, HEADS, SCALE = 4, 32, 8, 4, 0.3
-EVERY_GROUP = DecodeCrossover(min_members=2, min_shared_tokens=BS)
-SEQ_LENS = np.array([14, 15, 13, 17, 6, 9])
-ROWS = np.array(
-    [
-        [0, 1, 2, 3, 0],
-        [0, 1, 2, 4, 0],
-        [0, 1, 2, 5, 0],
-        [0, 1, 2, 6, 7],
-        [8, 9, 0, 0, 0],
-        [10, 11, 12, 0, 0],
-    ],
-    dtype=np.int32,
-)
-
-
-def step(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(13, BS, RANK + ROPE, generator=g) * 3
-    q = torch.randn(len(SEQ_LENS), HEADS, RANK + ROPE, generator=g) * 3
-    return cache, q[..., RANK:].contiguous(), q[..., :RANK].contiguous()
-
-
-def vllm_decode(attend, q_pe, q_nope):
-    """vLLM's call: every row over all of its pages, causal, one query each."""
-    n = len(SEQ_LENS)
-    cu = torch.arange(n + 1, dtype=torch.int32)
-    return attend(q_pe, q_nope, torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS), cu, 1, 17, True)
 
 
 def shared_decode(attend, q_pe, q_nope, value=EVERY_GROUP, merge=merge_attn_states_torch):
