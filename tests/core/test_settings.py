@@ -105,7 +105,9 @@ def test_copy_list_is_extended_once_and_keeps_the_users_entries(clean_selection)
     settings.ask_vllm_to_copy_to_ray()
     listed = os.environ[settings.RAY_COPY_LIST_ENV].split(",")
     assert listed[0] == "MY_VAR"
-    assert sorted(listed[1:]) == sorted([*settings.ENV_VARS, settings.SHARED_PREFIX_ENV])
+    assert sorted(listed[1:]) == sorted(
+        [*settings.ENV_VARS, settings.SHARED_PREFIX_ENV, settings.SHARED_DECODE_ENV]
+    )
 
 
 # --- The engine-config stamp ---------------------------------------------------------------------
