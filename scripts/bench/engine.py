@@ -33,6 +33,7 @@ from .sides import SIDE_ENV, Side, markdown_table, side_env
 MODEL_DIR = ROOT / "scripts" / "bench" / "models" / "r1_tp8_slice"
 DEFAULT_GRID = "1024x8,1024x64,4096x2,4096x16,16384x1,16384x4"
 SHARED_PREFIX_ENV = "MLA_PREFILL_SHARED_PREFIX"  # the shared-prefix path: "0" turns it off
+CUDAGRAPH_MODE_ENV = "MLA_BENCH_CUDAGRAPH_MODE"  # a side's compilation_config cudagraph_mode (benchmark only)
 GATHER_ENV = "MLA_PREFILL_SHARED_PREFIX_GATHER_MS"  # its engine core's gathering of a burst: "0" off
 
 
@@ -132,6 +133,8 @@ def start_engine(
         os.environ["PYTHONPATH"] = path
     if tree is not None:  # a spawned child takes its sys.path from this process, not from PYTHONPATH
         sys.path.insert(0, str(tree))
+    if mode := extra_env.get(CUDAGRAPH_MODE_ENV):  # a side's own CUDA-graph mode (not an add-on switch)
+        llm_options = {**llm_options, "compilation_config": {"cudagraph_mode": mode}}
     try:
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(args, **llm_options))

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 from . import path_parts
 from .common import seeded_tokens
-from .engine import GATHER_ENV, SHARED_PREFIX_ENV
+from .engine import CUDAGRAPH_MODE_ENV, GATHER_ENV, SHARED_PREFIX_ENV
 
 SCENARIOS = ("shared", "private", "fresh", "decode")
 NOSHARE = "noshare"
-DECODE = "decode"  # NAME:decode, decode rows served too (MLA_PREFILL_SHARED_DECODE=1)
+# NAME:decode: decode rows served too (MLA_PREFILL_SHARED_DECODE=1); NAME:decode-piecewise: with piecewise
+# CUDA graphs only, so that decode steps' attention runs outside a graph, where the path serves it
+DECODE = "decode"
 NOGATHER = "nogather"
 GATHER = "gather"
 GATHER_MS = "100"  # the window a NAME:gather side opts in to (NAME:gatherMS: another)
@@ -110,8 +112,9 @@ def _configured(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
         return SideSpec(name, name)
     if mode.lower() == NOSHARE:
         return SideSpec(f"{name}:{NOSHARE}", name, ((SHARED_PREFIX_ENV, "0"),))
-    if mode.lower() == DECODE:
-        return SideSpec(f"{name}:{DECODE}", name, (("MLA_PREFILL_SHARED_DECODE", "1"),))
+    if mode.lower() in (DECODE, f"{DECODE}-piecewise"):
+        graphs = ((CUDAGRAPH_MODE_ENV, "PIECEWISE"),) if mode.lower() != DECODE else ()
+        return SideSpec(f"{name}:{mode.lower()}", name, (("MLA_PREFILL_SHARED_DECODE", "1"), *graphs))
     if mode.lower() == NOGATHER or (
         mode.lower().startswith(GATHER) and _window_ms(mode[len(GATHER) :]) is not None
     ):
@@ -122,9 +125,9 @@ def _configured(label: str, name: str, mode: str, earlier: list[SideSpec]) -> Si
     if mode.lower() == PAUSE or mode.lower().startswith(PAUSE + "-"):
         return _pause_side(label, name, mode.lower(), earlier)
     raise ValueError(
-        f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{DECODE}, NAME:{GATHER}, "
-        f"NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART; any but a pause "
-        "side with :N, another lifetime)"
+        f"side {label!r}: unknown mode {mode!r} (NAME, NAME:{NOSHARE}, NAME:{DECODE}[-piecewise], "
+        f"NAME:{GATHER}, NAME:{GATHER}MS, NAME:{NOGATHER}, NAME:{PAUSE} or NAME:{PAUSE}-PART+PART; any but a "
+        "pause side with :N, another lifetime)"
     )
 
 

@@ -57,10 +57,14 @@ def test_the_default_sides_are_stock_and_the_backend_with_the_path_on_and_off():
         ("FLASH_ATTN:noshare", "FLASH_ATTN", {"MLA_PREFILL_SHARED_PREFIX": "0"}),
     ]
     assert [s.label for s in parse_sides("stock, flashinfer:NOSHARE")] == ["stock", "FLASHINFER:noshare"]
-    decode = parse_sides("FLASH_ATTN:decode,FLASH_ATTN:decode:2")
+    decode = parse_sides("FLASH_ATTN:decode,FLASH_ATTN:decode:2,FLASH_ATTN:decode-piecewise")
     assert [(s.label, dict(s.env)) for s in decode] == [
         ("FLASH_ATTN:decode", {"MLA_PREFILL_SHARED_DECODE": "1"}),
         ("FLASH_ATTN:decode:2", {"MLA_PREFILL_SHARED_DECODE": "1"}),
+        (
+            "FLASH_ATTN:decode-piecewise",
+            {"MLA_PREFILL_SHARED_DECODE": "1", "MLA_BENCH_CUDAGRAPH_MODE": "PIECEWISE"},
+        ),
     ]
 
 
