@@ -40,10 +40,10 @@ def fa_mla(clean_selection, tmp_path):
     path = importlib.import_module("mla_prefill_ext.hosts.core.shared_prefix.instrumentor").INSTRUMENTOR
     if not path.is_instrumented():
         pytest.skip(f"the shared-prefix path is not available here: {path.state().skipped_reason}")
-    path._instrument_decode(module)  # what its post-import hook does when the variable is set at import
+    path._instrument_decode("any", module)  # its post-import hook's work, had the variable been set at import
     from mla_prefill_ext.hosts.core.shared_prefix import costs, decode_rows
 
-    assert decode_rows.WRAP_PROBLEM[0] is None
+    assert decode_rows.WRAP_PROBLEMS["any"] is None
     clean_selection.setattr(costs, "DECODE_VALUE", DecodeCrossover(min_members=2, min_shared_tokens=BS))
     cfg = host.make_vllm_config(host.write_model_dir(tmp_path))
     with (

@@ -116,6 +116,16 @@ def mirror_block_ids(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any
     return result
 
 
+def mirrored_rows(tables: Any, req_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A V2 runner's ``BlockTables``: the first group's host rows and block counts of ``req_idx`` (runner
+    request indices), as its mirror holds them; None where nothing was mirrored there."""
+    mirror = getattr(tables, "__dict__", {}).get(_MIRROR_ATTR)
+    if mirror is None or not mirror.rows:
+        return None
+    rows = mirror.rows_for(0, req_idx)
+    return None if rows is None else (rows, mirror.counts[0][req_idx])
+
+
 def host_rows(common: Any) -> np.ndarray | None:
     """The host rows behind ``common.block_table_tensor`` (the builder's common metadata), in batch order
     and at least ``common.num_reqs`` of them, or None when unknown."""

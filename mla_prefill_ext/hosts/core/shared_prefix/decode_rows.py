@@ -4,10 +4,12 @@ the builder, served per layer in place of ``FlashAttnMLAImpl.forward_mqa``
 
 Off unless turned on (:func:`mla_prefill_ext.settings.shared_decode_setting`) until its token parity is
 shown on a GPU. Served only where vLLM runs the layer's attention in Python: eager steps and piecewise
-CUDA graphs (attention runs between the pieces). A step that replays a full CUDA graph runs the attention
-vLLM captured, whatever this module planned; no plan is ever made inside a capture. Not with speculative
-decoding (the host's sequence lengths are upper bounds there, and more than one new token a row lost in
-the measurements) nor where the decode call returns its LSE (decode context parallelism).
+CUDA graphs (attention runs between the pieces). On the V2 runner (vLLM 0.33+) a one-token decode step whose
+rows are served is dispatched to the piecewise graphs (:func:`uniform_unless_served`) instead of the full
+decode graph; on the V1 runner such a step replays the full graph if vLLM captured one, and runs the
+attention vLLM captured, whatever this module planned. No plan is ever made inside a capture. Not with
+speculative decoding (the host's sequence lengths are upper bounds there, and more than one new token a
+row lost in the measurements) nor where the decode call returns its LSE (decode context parallelism).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import logging
 import sys
 from typing import Any
 
-from mla_prefill_ext._logging import log_once, logger
-from mla_prefill_ext.hosts.core.shared_prefix import costs, counters, needs
+import numpy as np
+
+from mla_prefill_ext._logging import first_time, log_once, logger
+from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, counters, needs, switch
 from mla_prefill_ext.mla_layers import MLA_MODULE
 from mla_prefill_ext.settings import shared_decode_setting
 from mla_prefill_ext.shared_prefix.decode import decode_attention, plan_decode
@@ -27,9 +31,14 @@ DECODE_ATTR = "mla_shared_decode"
 """The decode metadata's attribute holding the step's device plan (absent: vLLM's decode)."""
 
 
-NOT_WRAPPED = "vLLM's FLASH_ATTN_MLA module was not imported with the path in place"
-WRAP_PROBLEM: list[str | None] = [NOT_WRAPPED]
-"""Why ``forward_mqa`` is not wrapped in this process (``[None]``: it is); the instrumentor sets it."""
+NOT_WRAPPED = {
+    needs.ANY: "vLLM's FLASH_ATTN_MLA module was not imported with the path in place",
+    needs.V2: "vLLM's V2 model runner was not imported with the path in place",
+}
+WRAP_PROBLEMS: dict[str, str | None] = dict(NOT_WRAPPED)
+"""Why the decode part's wrappers are not in place in this process, per runner of the table's rows (None:
+they are): ``any``, ``forward_mqa`` (the rows are served); ``V2``, the runner's graph choice (served steps
+dispatched to piecewise graphs). Set by the instrumentor."""
 
 
 def decide(vllm_config: Any) -> str | None:
@@ -39,7 +48,7 @@ def decide(vllm_config: Any) -> str | None:
         return f"turned off by {source}"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding is on (not served)"
-    return WRAP_PROBLEM[0]
+    return WRAP_PROBLEMS[needs.ANY]
 
 
 def decide_and_say(vllm_config: Any) -> str | None:
@@ -87,6 +96,50 @@ def plan_step(builder: Any, metadata: Any, common: Any, rows: Any) -> None:
             g.block_ids.shape[0] * plan.block_size,
             g.members.shape[0],
         )
+
+
+_RUNNER_DECISION = "_mla_shared_decode"
+
+
+def served_step(runner: Any, batch_state: Any) -> bool:
+    """V2 runner, before it picks the step's CUDA graph: whether the step's decode rows (one new token each)
+    hold a group worth a shared call, from the block rows the mirror holds (each row's last block left out:
+    only full blocks are shared). Such a step is dispatched as a mixed batch, whose graphs are piecewise
+    (its attention runs outside them, where it is served) instead of the full decode graph."""
+    decision = runner.__dict__.get(_RUNNER_DECISION)
+    if decision is None:
+        decision = runner.__dict__[_RUNNER_DECISION] = (
+            switch.decide(runner.vllm_config).on and decide(runner.vllm_config) is None
+        )
+    if not decision or batch_state is None:
+        return False
+    found = block_tables.mirrored_rows(runner.block_tables, batch_state.idx_mapping_np)
+    if found is None:
+        return False
+    rows, counts = found
+    block_size = runner.cache_config.block_size
+    ones = np.ones(len(counts), dtype=np.int64)
+    seq_lens = np.maximum(counts.astype(np.int64) - 1, 0) * block_size + 1
+    return plan_decode(rows, seq_lens, ones, block_size, costs.DECODE_VALUE) is not None
+
+
+def uniform_unless_served(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """V2 ``GPUModelRunner.gather_batch_req_state(scheduler_output, dummy_run)``: vLLM's result, with no
+    uniform decode token count for a one-token decode step that :func:`served_step` serves (so vLLM
+    dispatches it to its piecewise graphs); any fault here leaves vLLM's result as it was (logged once)."""
+    batch_state, uniform = wrapped(*args, **kwargs)
+    if uniform != 1:
+        return batch_state, uniform
+    try:
+        served = served_step(instance, batch_state)
+    except Exception:
+        served = False
+        if first_time("shared-decode-dispatch-failed"):
+            logger.exception("mla-prefill-ext: the shared-prefix decode's graph choice failed; vLLM's stands")
+    if not served:
+        return batch_state, uniform
+    counters.add("steps_dispatched_piecewise")
+    return batch_state, None
 
 
 def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:

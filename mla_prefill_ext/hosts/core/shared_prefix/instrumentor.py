@@ -14,6 +14,7 @@ context path runs as it always does.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from types import ModuleType
@@ -76,21 +77,26 @@ class SharedPrefixInstrumentor(Instrumentor):
     def on_instrumented(self, module: ModuleType) -> None:
         # Routing short extends on the V1 runner is an addition the path works without: its own line.
         wrapt.register_post_import_hook(self._instrument_runner, needs.V1_RUNNER_MODULE)
-        # So are decode rows, where the user turned them on (each decode layer call passes the wrapper).
+        # So are decode rows, where the user turned them on (each decode layer call passes the wrapper):
+        # FLASH_ATTN_MLA's forward_mqa, and the V2 runner's graph choice for the steps they serve.
         if shared_decode_setting()[0]:
-            wrapt.register_post_import_hook(self._instrument_decode, needs.FA_MLA_MODULE)
+            for runner, module in (
+                (needs.ANY, needs.FA_MLA_MODULE),
+                (needs.V2, needs.RUNNER_MODULES[needs.V2]),
+            ):
+                wrapt.register_post_import_hook(functools.partial(self._instrument_decode, runner), module)
 
-    def _instrument_decode(self, fa_mla_module: ModuleType) -> None:
+    def _instrument_decode(self, runner: str, module: ModuleType) -> None:
         with self._lock:
-            if not self.is_instrumented() or decode_rows.WRAP_PROBLEM[0] is None:
+            if not self.is_instrumented() or decode_rows.WRAP_PROBLEMS[runner] is None:
                 return
             try:
-                problem = "; ".join(needs.problems("decode", needs.ANY)) or self._state.wrappers.wrap_each(
-                    _wrapped_rows("decode", needs.ANY)
+                problem = "; ".join(needs.problems("decode", runner)) or self._state.wrappers.wrap_each(
+                    _wrapped_rows("decode", runner)
                 )
-            except Exception as e:  # inside vLLM's import of its decode backend: never let it fail there
+            except Exception as e:  # inside vLLM's import of its module: never let it fail there
                 problem = f"its shape could not be read ({type(e).__name__}: {e})"
-            decode_rows.WRAP_PROBLEM[0] = problem
+            decode_rows.WRAP_PROBLEMS[runner] = problem
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
@@ -117,7 +123,7 @@ class SharedPrefixInstrumentor(Instrumentor):
         block_tables.forget()
         block_tables.RUNNER_PROBLEMS.clear()
         self.routing = False
-        decode_rows.WRAP_PROBLEM[0] = decode_rows.NOT_WRAPPED
+        decode_rows.WRAP_PROBLEMS.update(decode_rows.NOT_WRAPPED)
 
     def report(self) -> dict[str, object]:
         """The path's state in this process: wrapped, routing, why not, steps planned and routed."""
@@ -129,7 +135,8 @@ class SharedPrefixInstrumentor(Instrumentor):
             "steps_with_segments": counters.get("steps_with_segments"),
             "steps_routed": counters.get("steps_routed"),
             "steps_with_decode_groups": counters.get("steps_with_decode_groups"),
-            "decode_problem": decode_rows.WRAP_PROBLEM[0],
+            "decode_problems": dict(decode_rows.WRAP_PROBLEMS),
+            "steps_dispatched_piecewise": counters.get("steps_dispatched_piecewise"),
             "steps": counters.get("steps"),  # the V1 runner's reorders (every scheduled step there)
             "step_shapes": [list(shape) for shape in list(routing.SHAPES)],  # a copy: the runner appends
         }
@@ -152,6 +159,7 @@ _WRAPPERS = {
     needs.APPEND_BLOCK_IDS: block_tables.mirror_block_ids,
     needs.REORDER: routing.may_reorder_batch,
     needs.FORWARD_MQA: decode_rows.forward_mqa,
+    needs.GATHER_BATCH: decode_rows.uniform_unless_served,
 }
 """The add-on's wrapper for each wrapped row of :data:`.needs.NEEDS` (by its first attribute)."""
 

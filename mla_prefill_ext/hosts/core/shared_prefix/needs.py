@@ -37,6 +37,7 @@ APPEND_BLOCK_IDS = "BlockTables.append_block_ids"
 REORDER = "GPUModelRunner._may_reorder_batch"
 FA_MLA_MODULE = "vllm.v1.attention.backends.mla.flashattn_mla"  # FLASH_ATTN_MLA, Hopper's decode default
 FORWARD_MQA = "FlashAttnMLAImpl.forward_mqa"
+GATHER_BATCH = "GPUModelRunner.gather_batch_req_state"
 
 
 def takes(*names: str) -> Callable[[Any], str | None]:
@@ -191,6 +192,24 @@ NEEDS: tuple[Need, ...] = (
         ("flash_attn_varlen_func",),
         "FA3's paged call (q_v, seqused_k, block_table, return_softmax_lse), called for the groups' calls",
         takes("q_v", "seqused_k", "block_table", "return_softmax_lse", "fa_version"),
+    ),
+    Need(
+        "decode",
+        V2,
+        RUNNER_MODULES[V2],
+        (GATHER_BATCH,),
+        "gather_batch_req_state(scheduler_output, dummy_run) -> (batch state, uniform decode token count): "
+        "wrapped, no uniform count for a step whose decode rows are served (dispatched to piecewise graphs)",
+        takes("scheduler_output", "dummy_run"),
+        True,
+    ),
+    Need(
+        "decode",
+        V2,
+        RUNNER_MODULES[V2],
+        ("BatchReqState",),
+        "the batch state's idx_mapping_np: each batch row's request index in the runner",
+        lambda state: has_attributes("idx_mapping_np")(state),  # the helper is defined at the end
     ),
     # The engine core's parts: block hashes (prefix_hashes), prefix-cache hits (prefix_hits), the
     # gathering of a burst (arrivals); vLLM 0.20.2-0.34.0.
