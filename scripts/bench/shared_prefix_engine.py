@@ -87,7 +87,8 @@ def keep_going(rep: int, elapsed: float, last: float, stop_after: float | None) 
     return rep == 0 or stop_after is None or elapsed + last <= stop_after
 
 
-PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments", "steps_with_decode_groups")  # workers
+PATH_COUNTERS = ("steps", "steps_routed", "steps_with_segments")  # the workers' reports
+PATH_COUNTERS += ("steps_with_decode_groups", "steps_dispatched_piecewise")
 HASH_COUNTERS = {"blocks_reused": "reused_blocks", "hits_reused": "reused_hits", "gathered": "gathered"}
 COUNTERS = (*PATH_COUNTERS, *HASH_COUNTERS)  # those and the engine core's prefix_hashes report
 

@@ -384,6 +384,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps_routed": 3,
         "steps_with_segments": 5,
         "steps_with_decode_groups": 9,
+        "steps_dispatched_piecewise": 4,
         "blocks_reused": 30720,
         "hits_reused": 30727,
         "gathered": 19,
@@ -393,6 +394,7 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
         "steps_routed": 1,
         "steps_with_segments": 2,
         "steps_with_decode_groups": 9,
+        "steps_dispatched_piecewise": 4,
         "blocks_reused": 30720,
         "hits_reused": 30720,
         "gathered": 15,
@@ -425,7 +427,8 @@ def test_the_paths_counters_per_timed_call_and_their_summary():
     ]
     assert bench.path_steps_lines(records) == [  # records of an older run: no point, no repetition
         "FLASH_ATTN 16 x 32896 tokens: steps [2, 1], steps_routed [1, 1], steps_with_segments [1, 1], "
-        "steps_with_decode_groups [0, 0], blocks_reused [30720, 32768], hits_reused [30720, 30720], "
+        "steps_with_decode_groups [0, 0], steps_dispatched_piecewise [0, 0], blocks_reused [30720, 32768], "
+        "hits_reused [30720, 30720], "
         "gathered [15, 0]"
     ]
     # By point, the warm-up left out: two points with equal B and prompt length stay apart.
