@@ -92,6 +92,13 @@ def result(name: str) -> dict:
     return _chosen(name)[1]
 
 
+def ran(name: str) -> dict:
+    """A scenario's result, which must have run to the end (its error otherwise)."""
+    data = result(name)
+    assert data["ok"], data.get("error")
+    return data
+
+
 def log_of(name: str) -> str:
     return scenarios.log_text(_chosen(name)[0], name)
 

@@ -31,7 +31,7 @@ from tests.gpu.recorded_runs import (
     check,
     lifetime_judge,
     log_of,
-    result,
+    ran,
     stock_calibrations,
 )
 
@@ -65,15 +65,9 @@ def _lifetime_judge(reference: str):
     return lifetime_judge(stock_calibrations(_group(reference)))
 
 
-def _ok(name: str) -> dict:
-    data = result(name)
-    assert data["ok"], data.get("error")
-    return data
-
-
 @pytest.mark.parametrize("name", scenarios.SHARED_SCENARIOS)
 def test_the_prefix_is_served_from_the_cache(name):
-    assert_shared_prefix_served(_ok(name))
+    assert_shared_prefix_served(ran(name))
 
 
 @pytest.mark.parametrize("group", [STOCK, STOCK_PREFILL], ids=["decode-path", "prefill-path"])
@@ -107,7 +101,7 @@ def test_a_wrong_shared_path_fails_the_same_check(mutant, reference):
 @pytest.mark.parametrize("name", [*ADDON, *MUTANTS])
 def test_the_shared_path_ran_in_the_engine_with_the_whole_prefix_shared(name):
     """Evidence written from inside the engine process by the runner's shared-context wrapper."""
-    data = _ok(name)
+    data = ran(name)
     ev = data["shared_context"]
     print(name, "shared context:", ev)
     assert ev["ran_in_engine_process"], ev
@@ -122,7 +116,7 @@ def test_the_shared_path_ran_in_the_engine_with_the_whole_prefix_shared(name):
 
 @pytest.mark.parametrize("name", PREFILL_REFERENCES)
 def test_the_prefill_path_references_ran_with_the_lowered_threshold_in_the_engine(name):
-    data = _ok(name)
+    data = ran(name)
     ev = data["decode_threshold"]
     assert ev["ran_in_engine_process"], ev
     assert ev["thresholds"] == [1] and max(ev["stock_thresholds"]) > 1, ev  # FLASH_ATTN_MLA: 512
@@ -130,7 +124,7 @@ def test_the_prefill_path_references_ran_with_the_lowered_threshold_in_the_engin
 
 @pytest.mark.parametrize("name", ["shim-fa-shared-chunks", "stock-shared-prefill-chunks"])
 def test_chunk_scenarios_take_several_passes(name):
-    data = _ok(name)
+    data = ran(name)
     chunks = data["context_chunks"]
     assert chunks["ran_in_engine_process"], chunks
     assert chunks["max_chunk_tokens"] <= scenarios.CONTEXT_CHUNK_TOKENS, chunks
@@ -141,12 +135,12 @@ def test_chunk_scenarios_take_several_passes(name):
 
 
 def test_turned_off_no_step_takes_the_shared_path():
-    data = _ok("shim-fa-shared-off")
+    data = ran("shim-fa-shared-off")
     assert data["shared_context"]["calls"] == 0, data["shared_context"]
     assert "off (turned off by MLA_PREFILL_SHARED_PREFIX)" in log_of("shim-fa-shared-off")
 
 
 @pytest.mark.parametrize("name", [*STOCK, *PREFILL_REFERENCES])
 def test_stock_runs_unpatched(name):
-    _ok(name)
+    ran(name)
     assert_unpatched(log_of(name))

@@ -25,7 +25,7 @@ from tests.gpu.recorded_runs import (
     check,
     lifetime_judge,
     log_of,
-    result,
+    ran,
     stock_calibrations,
 )
 
@@ -36,15 +36,9 @@ CANDIDATE = "shim-fa-shared-decode"
 MUTANTS = [n for n in scenarios.DECODE_SCENARIOS if n.startswith("mutant-")]
 
 
-def _ok(name: str) -> dict:
-    data = result(name)
-    assert data["ok"], data.get("error")
-    return data
-
-
 @pytest.mark.parametrize("name", scenarios.DECODE_SCENARIOS)
 def test_every_request_decodes_long_over_the_cached_prefix(name):
-    data = _ok(name)
+    data = ran(name)
     assert data["weights"] == "sharp", "parity must run on the sharp checkpoint"
     sets = engine_runner.shared_decode_prompt_sets()
     for key in engine_runner.SHARED_DECODE_SETS:
@@ -82,7 +76,7 @@ def test_wrong_decode_rows_fail_the_same_check(mutant, reference):
 @pytest.mark.parametrize("name", [CANDIDATE, *MUTANTS])
 def test_decode_groups_were_served_in_the_engine_over_the_whole_prefix(name):
     """Evidence written from inside the engine process by the runner's shared-decode wrapper."""
-    data = _ok(name)
+    data = ran(name)
     ev = data["shared_decode"]
     print(name, "shared decode:", ev)
     assert ev["ran_in_engine_process"] and ev["calls_with_groups"] > 0, ev
@@ -95,5 +89,5 @@ def test_decode_groups_were_served_in_the_engine_over_the_whole_prefix(name):
 
 @pytest.mark.parametrize("name", STOCK)
 def test_stock_runs_unpatched(name):
-    _ok(name)
+    ran(name)
     assert_unpatched(log_of(name))
