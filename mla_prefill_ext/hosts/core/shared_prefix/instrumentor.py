@@ -90,24 +90,13 @@ class SharedPrefixInstrumentor(Instrumentor):
         with self._lock:
             if not self.is_instrumented() or decode_rows.WRAP_PROBLEMS[runner] is None:
                 return
-            try:
-                problem = "; ".join(needs.problems("decode", runner)) or self._state.wrappers.wrap_each(
-                    _wrapped_rows("decode", runner)
-                )
-            except Exception as e:  # inside vLLM's import of its module: never let it fail there
-                problem = f"its shape could not be read ({type(e).__name__}: {e})"
-            decode_rows.WRAP_PROBLEMS[runner] = problem
+            decode_rows.WRAP_PROBLEMS[runner] = self._wrap_part("decode", runner)
 
     def _instrument_runner(self, runner_module: ModuleType) -> None:
         with self._lock:
             if not self.is_instrumented() or self.routing or block_tables.RUNNER_PROBLEMS.get(needs.V1):
                 return
-            try:
-                problem = "; ".join(needs.problems("route", needs.V1)) or self._state.wrappers.wrap_each(
-                    _wrapped_rows("route", needs.V1)
-                )
-            except Exception as e:  # inside vLLM's import of its runner: never let it fail there
-                problem = f"its shape could not be read ({type(e).__name__}: {e})"
+            problem = self._wrap_part("route", needs.V1)
             if problem is not None:
                 log_once(
                     logging.INFO,
@@ -118,6 +107,16 @@ class SharedPrefixInstrumentor(Instrumentor):
                 )
                 return
             self.routing = True
+
+    def _wrap_part(self, part: str, runner: str) -> str | None:
+        """Wrap the rows of ``part`` for ``runner`` where they all hold, all or none: why not (None: wrapped).
+        Runs inside vLLM's import of the module (a post-import hook): it never raises there."""
+        try:
+            return "; ".join(needs.problems(part, runner)) or self._state.wrappers.wrap_each(
+                _wrapped_rows(part, runner)
+            )
+        except Exception as e:
+            return f"its shape could not be read ({type(e).__name__}: {e})"
 
     def on_uninstrumented(self, module: ModuleType) -> None:
         block_tables.forget()
