@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from mla_prefill_ext.shared_prefix.groups import find_shared_prefixes
+from mla_prefill_ext.shared_prefix.plan import copy_as_one
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class HostDecodeGroup(NamedTuple):
 
 
 class DeviceDecodeGroup(NamedTuple):
-    members: torch.Tensor  # int64 [B]: the group's rows among the step's decode rows
+    members: torch.Tensor  # int32 [B]: the group's rows among the step's decode rows
     prefix_row: torch.Tensor  # int32 [1, blocks]: the prefix's pages, one block-table row
     prefix_len: torch.Tensor  # int32 [1]
     cu_queries: torch.Tensor  # int32 [0, B]: all members' queries as one sequence
@@ -74,31 +75,37 @@ class DecodePlan:
 
     groups: list[HostDecodeGroup]
     block_size: int
+    max_own_len: int  # the most tokens a row keeps on its own pages (from the host's upper bounds)
 
     def to(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> DeviceDecodePlan:
         """On the device of vLLM's decode ``block_table`` [rows, max_blocks] and ``seq_lens`` [rows]:
         each member's row shifted past its prefix and its length less the prefix; vLLM's tensors
-        untouched (the graphs vLLM captured read them)."""
-        device = block_table.device
+        untouched (the graphs vLLM captured read them). The groups' host arrays go over in one pinned
+        copy that does not wait for the stream (a pageable one would stall the host every step)."""
+        host: list[torch.Tensor] = []
+        for g in self.groups:
+            tokens = g.block_ids.shape[0] * self.block_size
+            fixed = torch.tensor([tokens, 0, g.members.shape[0]], dtype=torch.int32)
+            host += [torch.from_numpy(g.members), torch.from_numpy(g.block_ids).view(1, -1), fixed]
+        moved = iter(copy_as_one(host, block_table.device))
         own_table, own_lens = block_table.clone(), seq_lens.clone()
         width = block_table.shape[1]
         groups = []
         for g in self.groups:
-            members = torch.from_numpy(g.members).to(device, non_blocking=True)
+            members, prefix, fixed = next(moved), next(moved), next(moved)
             n, tokens = g.block_ids.shape[0], g.block_ids.shape[0] * self.block_size
             own_table[members, : width - n] = block_table[members, n:]
             own_lens[members] -= tokens
-            prefix = torch.from_numpy(g.block_ids).view(1, -1).to(device, non_blocking=True)
             b = int(g.members.shape[0])
-            fixed = torch.tensor([tokens, 0, b], dtype=torch.int32).to(device, non_blocking=True)
             groups.append(DeviceDecodeGroup(members, prefix, fixed[:1], fixed[1:], b, tokens))
-        return DeviceDecodePlan(groups, own_table, own_lens)
+        return DeviceDecodePlan(groups, own_table, own_lens, self.max_own_len)
 
 
 class DeviceDecodePlan(NamedTuple):
     groups: list[DeviceDecodeGroup]
     own_block_table: torch.Tensor  # int32 [rows, max_blocks]
     own_seq_lens: torch.Tensor  # int32 [rows]
+    max_own_len: int  # the own call's longest key sequence (FA3 sizes its split of the keys by it)
 
 
 def plan_decode(
@@ -119,7 +126,10 @@ def plan_decode(
     if not found:
         return None
     groups = [HostDecodeGroup(np.asarray(g.members, dtype=np.int64), g.block_ids) for g in found]
-    return DecodePlan(groups, block_size)
+    own = np.asarray(seq_lens, dtype=np.int64).copy()
+    for g in groups:
+        own[g.members] -= g.block_ids.shape[0] * block_size
+    return DecodePlan(groups, block_size, int(own.max()))
 
 
 Attend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -136,12 +146,11 @@ def decode_attention(
     plan: DeviceDecodePlan,
     query_start_loc: torch.Tensor,
     max_query_len: int,
-    max_seq_len: int,
     attend: Attend,
     merge: Merge,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's decode attention over every row (output, LSE), the groups' prefixes read once."""
-    own = (plan.own_block_table, plan.own_seq_lens, query_start_loc, max_query_len, max_seq_len)
+    own = (plan.own_block_table, plan.own_seq_lens, query_start_loc, max_query_len, plan.max_own_len)
     out, lse = attend(q_pe, q_nope, *own, True)
     for g in plan.groups:
         prefix = (g.prefix_row, g.prefix_len, g.cu_queries, g.num_members, g.num_tokens)

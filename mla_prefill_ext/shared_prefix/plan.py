@@ -143,7 +143,7 @@ class ContextPlan:
             if all(_is_on(t, device) for t in host):
                 return self  # moved already (a caller that did not keep the host plan)
             raise ValueError(f"a plan's tensors are copied to {device} from the host only")
-        moved = iter(_copy_as_one(host, device))
+        moved = iter(copy_as_one(host, device))
         table, rows, seg_loc, private_starts = (next(moved) for _ in range(4))
         moved_passes = [ContextPass(*(next(moved) for _ in range(4)), total=p.total) for p in passes]
         split = len(self.segment_passes)
@@ -179,7 +179,7 @@ def _can_pin() -> bool:
         return torch.cuda.is_available()
 
 
-def _copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def copy_as_one(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` (host, integers) on ``device`` as int32 views of one buffer copied at once."""
     sizes = [t.numel() for t in tensors]
     pinned = device.type == "cuda" and _can_pin()

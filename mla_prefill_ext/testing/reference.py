@@ -132,6 +132,9 @@ def paged_latent_attention(kv_cache: torch.Tensor, scale: float, dtype: torch.dt
     def attend(q_pe, q_nope, block_table, seq_lens, cu_queries, max_queries, max_keys, causal):
         rank = q_nope.shape[-1]
         heads = q_pe.shape[1]
+        # FA3 reads no further than max_seqlen_q/k: a bound below a sequence's length is a wrong answer there
+        if int(seq_lens.max()) > max_keys or int((cu_queries[1:] - cu_queries[:-1]).max()) > max_queries:
+            raise ValueError(f"max_keys {max_keys} / max_queries {max_queries} below a sequence's length")
         outs, lses = [], []
         for i in range(seq_lens.shape[0]):
             lo, hi, n = int(cu_queries[i]), int(cu_queries[i + 1]), int(seq_lens[i])

@@ -90,7 +90,7 @@ def test_the_shared_decode_wrapper_serves_the_step_and_is_wrong_only_as_a_mutant
         want, _ = vllm_decode(attend, q_pe, q_nope)
         device_plan = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
         cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
-        out, _ = hook.decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge_attn_states_torch)
+        out, _ = hook.decode_attention(q_pe, q_nope, device_plan, cu, 1, attend, merge_attn_states_torch)
     finally:
         engine_runner.uninstall(installed)
     assert hook.decode_attention is original

@@ -24,7 +24,7 @@ def shared_decode(attend, q_pe, q_nope, value=EVERY_GROUP, merge=merge_attn_stat
     assert plan is not None
     device_plan = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
     cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
-    return plan, decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge)
+    return plan, decode_attention(q_pe, q_nope, device_plan, cu, 1, attend, merge)
 
 
 def test_the_plan_groups_the_rows_that_share_full_context_blocks():
@@ -35,6 +35,11 @@ def test_the_plan_groups_the_rows_that_share_full_context_blocks():
     assert device.own_seq_lens.tolist() == [2, 3, 1, 5, 6, 9]  # each keeps its new token
     assert device.own_block_table[3, :2].tolist() == [6, 7]
     assert device.own_block_table[4].tolist() == ROWS[4].tolist()  # not a member: vLLM's row
+    # The own call's key bound is the longest own row (FA3 splits its keys by it), not vLLM's 9 + 3 blocks.
+    assert device.max_own_len == max(device.own_seq_lens.tolist()) == 9
+    # The groups' host arrays went over as one buffer (one copy a step).
+    g = device.groups[0]
+    assert len({t.untyped_storage().data_ptr() for t in (g.members, g.prefix_row, g.prefix_len)}) == 1
 
 
 def test_the_crossover_serves_only_what_was_measured_faster():
@@ -79,7 +84,7 @@ def test_a_wrong_shared_decode_fails_the_comparison(fault):
         device_plan = plan.to(torch.from_numpy(ROWS), torch.from_numpy(SEQ_LENS).int())
         device_plan.groups[0].prefix_row[0, 2] = 12  # the third shared block read from another page
         cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
-        out, _ = decode_attention(q_pe, q_nope, device_plan, cu, 1, 17, attend, merge_attn_states_torch)
+        out, _ = decode_attention(q_pe, q_nope, device_plan, cu, 1, attend, merge_attn_states_torch)
     else:
         if fault == "drop-segment-lse":
             kwargs["merge"] = lambda po, pl, so, sl: merge_attn_states_torch(po, torch.zeros_like(pl), so, sl)

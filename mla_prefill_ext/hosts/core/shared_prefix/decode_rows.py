@@ -193,7 +193,6 @@ def forward_mqa(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         plan,
         decode.query_start_loc,
         max(decode.max_query_len, 1),
-        decode.max_seq_len,
         _fa3_attend(instance, _arg(args, kwargs, "kv_c_and_k_pe_cache", 1)),
         lambda *states: vllm_merge(*states, kernel=merge),
     )

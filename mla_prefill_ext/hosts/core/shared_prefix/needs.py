@@ -182,8 +182,8 @@ NEEDS: tuple[Need, ...] = (
         ANY,
         FA_MLA_MODULE,
         ("FlashAttnMLADecodeMetadata",),
-        "decode metadata fields block_table, seq_lens, query_start_loc, max_query_len, max_seq_len",
-        has_fields("block_table", "seq_lens", "query_start_loc", "max_query_len", "max_seq_len"),
+        "decode metadata fields block_table, seq_lens, query_start_loc, max_query_len",
+        has_fields("block_table", "seq_lens", "query_start_loc", "max_query_len"),
     ),
     Need(
         "decode",
