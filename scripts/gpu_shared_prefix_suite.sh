@@ -22,8 +22,9 @@
 #                                                       # them there), the path on, the three wrong-path mutants; their
 #                                                       # verdicts; stock's two paths against each other
 #   bash scripts/gpu_shared_prefix_suite.sh OUT decode-parity  # tiny sharp checkpoint, eager: decode rows over a
-#                                                       # shared prefix (two stock lifetimes, the path with decode
-#                                                       # rows on, its three wrong-decode mutants); their verdicts
+#                                                       # shared prefix (two stock lifetimes, vLLM's FlashMLA on
+#                                                       # the same rows, the path with decode rows on, its three
+#                                                       # wrong-decode mutants); their verdicts
 #   bash scripts/gpu_shared_prefix_suite.sh OUT tp2      # two GPUs, vLLM 0.25+: TP=2 with mp and with Ray (Ray
 #                                                       # installed), the path on and off, stock's lifetimes, a
 #                                                       # mutant; one engine per GPU at a time; the verdicts; the

@@ -396,6 +396,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         # vLLM's own prefill kernel on another FlashAttention version (2 runs on SM90 too); vLLM's
         # MLA decode on SM90 stays FA3 whatever this says.
         kwargs["attention_config"] = {"flash_attn_version": args.flash_attn_version}
+    if args.attention_backend:
+        # vLLM's own other MLA decode kernel (stock): how far another implementation of the same decode is
+        kwargs["attention_backend"] = args.attention_backend
     return kwargs
 
 
@@ -520,6 +523,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--executor", choices=["mp", "ray"], help="distributed_executor_backend")
     parser.add_argument("--gpu-mem", type=float, default=0.6, help="gpu_memory_utilization")
     parser.add_argument("--flash-attn-version", type=int, choices=[2, 3], help="vLLM's own, on stock")
+    parser.add_argument("--attention-backend", help="vLLM's own attention backend (e.g. FLASHMLA), on stock")
     parser.add_argument("--example", action="store_true", help="count the installed example package's calls")
     return parser
 

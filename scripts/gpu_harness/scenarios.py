@@ -57,6 +57,9 @@ SHARED_DECODE = ("--prompts", "shared_decode", "--eager")
 DECODE_ADDON = (*SHARED_DECODE, "--backend-env", "FLASH_ATTN")
 DECODE_MUTANT = (*DECODE_ADDON, "--shared-decode-mutant")  # then the mutant's name
 SHARED_DECODE_STOCK = ("stock-shared-decode", "stock-shared-decode-2")
+# vLLM's own other decode kernel on the same rows: stock's decode is bit-identical across lifetimes, so
+# their spread cannot say how far a reordered sum of the same attention lands; FlashMLA's distance can.
+SHARED_DECODE_OTHER_KERNEL = "stock-shared-decode-flashmla"
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ SCENARIOS = {
         Scenario("mutant-shared-segment-scale-tp2", (*SHARED_MUTANT, "segment-scale", *TP2), gpus=2),
         # Shared-prefix decode rows (issue 51), served only where attention runs in Python: eager.
         *[Scenario(name, ("--stock", *SHARED_DECODE)) for name in SHARED_DECODE_STOCK],
+        Scenario(SHARED_DECODE_OTHER_KERNEL, ("--stock", *SHARED_DECODE, "--attention-backend", "FLASHMLA")),
         Scenario("shim-fa-shared-decode", (*DECODE_ADDON, "--shared-decode")),
         Scenario("mutant-shared-decode-other-prefix", (*DECODE_MUTANT, "other-prefix")),
         Scenario("mutant-shared-decode-drop-lse", (*DECODE_MUTANT, "drop-segment-lse")),

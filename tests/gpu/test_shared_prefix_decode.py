@@ -6,7 +6,9 @@ set, eager (decode rows are served only where vLLM runs attention in Python): 16
 decode step after their prefill holds one group of 16 rows over the prefix. With decode rows on
 (``shim-fa-shared-decode``; the runner lowers their crossover to any two rows sharing a block, so that the
 tiny model's steps are served) the add-on must stay within stock's own spread across lifetimes
-(``stock-shared-decode``, ``-2``; never below the bf16 bound), and three deliberately wrong decode rows (the
+(``stock-shared-decode``, ``-2``) and from vLLM's own FlashMLA decode of the same rows
+(``stock-shared-decode-flashmla``: stock's FA3 decode is bit-identical across lifetimes, so only another
+kernel of vLLM's shows how far a reordered sum of the same attention lands; never below the bf16 bound), and three deliberately wrong decode rows (the
 shared call over pages that are not the prefix, left out of the merge, at a softmax scale 2% off) must fail
 the same verdict against each. The runner's evidence, written from inside the engine process, shows the
 groups served. With MLA_GPU_RESULTS the tests replay recorded results on any machine (skipped where a
@@ -32,6 +34,8 @@ from tests.gpu.recorded_runs import (
 pytestmark = pytest.mark.gpu
 
 STOCK = scenarios.SHARED_DECODE_STOCK
+OTHER_KERNEL = scenarios.SHARED_DECODE_OTHER_KERNEL
+CALIBRATION = (*STOCK, OTHER_KERNEL)  # vLLM's own decodes of these rows, each pair: the spread allowed
 CANDIDATE = "shim-fa-shared-decode"
 MUTANTS = [n for n in scenarios.DECODE_SCENARIOS if n.startswith("mutant-")]
 
@@ -50,7 +54,7 @@ def test_every_request_decodes_long_over_the_cached_prefix(name):
 
 
 def test_stocks_own_spread_on_this_set_is_measured_and_bounded():
-    spread = stock_calibrations(STOCK)
+    spread = stock_calibrations(CALIBRATION)
     for v in spread:
         print(f"stock against stock: {v.label}: max |logprob diff| {v.max_diff:.4g}, {len(v.flips)} flip(s)")
     print(f"lifetime bound: {verdict.lifetime_bound(spread):.4g}")
@@ -59,7 +63,7 @@ def test_stocks_own_spread_on_this_set_is_measured_and_bounded():
 
 @pytest.mark.parametrize("reference", STOCK)
 def test_decode_rows_on_match_every_stock_run(reference):
-    v = check("lifetime_noise", CANDIDATE, reference, judge=lifetime_judge(stock_calibrations(STOCK)))
+    v = check("lifetime_noise", CANDIDATE, reference, judge=lifetime_judge(stock_calibrations(CALIBRATION)))
     print(v)
     assert v.passed, str(v)
 
@@ -68,7 +72,7 @@ def test_decode_rows_on_match_every_stock_run(reference):
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_wrong_decode_rows_fail_the_same_check(mutant, reference):
     """Mutation proof: the verdict above tells wrong decode rows from stock."""
-    v = check("lifetime_noise", mutant, reference, judge=lifetime_judge(stock_calibrations(STOCK)))
+    v = check("lifetime_noise", mutant, reference, judge=lifetime_judge(stock_calibrations(CALIBRATION)))
     print(f"{mutant} (expected to FAIL):\n{v}")
     assert not v.passed, f"the verdict cannot tell {mutant} from {reference}: {v}"
 
@@ -87,7 +91,12 @@ def test_decode_groups_were_served_in_the_engine_over_the_whole_prefix(name):
     assert "MLA shared-prefix decode (mla-prefill-ext): on" in log_of(name)
 
 
-@pytest.mark.parametrize("name", STOCK)
+@pytest.mark.parametrize("name", CALIBRATION)
 def test_stock_runs_unpatched(name):
     ran(name)
     assert_unpatched(log_of(name))
+
+
+def test_the_other_kernel_is_vllms_flashmla():
+    ran(OTHER_KERNEL)
+    assert "FLASHMLA backend" in log_of(OTHER_KERNEL)

@@ -53,7 +53,14 @@ def test_the_decode_scenarios_ask_for_what_they_compare():
     assert not set(flags) & set(scenarios.SHARED_SCENARIOS)
     assert all("--eager" in f and f[f.index("--prompts") + 1] == "shared_decode" for f in flags.values())
     stock = [n for n, f in flags.items() if "--stock" in f]
-    assert stock == list(scenarios.SHARED_DECODE_STOCK)
+    assert stock == [*scenarios.SHARED_DECODE_STOCK, scenarios.SHARED_DECODE_OTHER_KERNEL]
+    # the calibration: vLLM's FlashMLA decode, asked of vLLM by name; the lifetimes its automatic choice
+    other = flags[scenarios.SHARED_DECODE_OTHER_KERNEL]
+    assert other[other.index("--attention-backend") + 1] == "FLASHMLA"
+    assert not any("--attention-backend" in flags[n] for n in scenarios.SHARED_DECODE_STOCK)
+    args = engine_runner.make_parser().parse_args(["--name", "d", "--out", "o", *other])
+    args.shared_mode = args.decode_mode = None
+    assert engine_runner.llm_kwargs(args)["attention_backend"] == "FLASHMLA"
     assert not any(
         "--shared-decode" in f or "--shared-decode-mutant" in f for n, f in flags.items() if n in stock
     )
