@@ -5,10 +5,11 @@ set, eager (decode rows are served only where vLLM runs attention in Python): 16
 2048-token prefix, each extending it past vLLM's decode threshold, then 128 greedy tokens each, so that every
 decode step after their prefill holds one group of 16 rows over the prefix. With decode rows on
 (``shim-fa-shared-decode``; the runner lowers their crossover to any two rows sharing a block, so that the
-tiny model's steps are served) the add-on must stay within stock's own spread across lifetimes
-(``stock-shared-decode``, ``-2``) and from vLLM's own FlashMLA decode of the same rows
-(``stock-shared-decode-flashmla``: stock's FA3 decode is bit-identical across lifetimes, so only another
-kernel of vLLM's shows how far a reordered sum of the same attention lands; never below the bf16 bound), and three deliberately wrong decode rows (the
+tiny model's steps are served) the add-on must stay within the spread of vLLM's own decodes of these rows:
+two stock lifetimes (``stock-shared-decode``, ``-2``) and vLLM's FlashMLA decode (``stock-shared-decode-
+flashmla``; stock's FA3 decode is bit-identical across lifetimes, so only another kernel of vLLM's shows how
+far a reordered sum of the same attention lands), never below the bf16 bound; three deliberately wrong
+decode rows (the
 shared call over pages that are not the prefix, left out of the merge, at a softmax scale 2% off) must fail
 the same verdict against each. The runner's evidence, written from inside the engine process, shows the
 groups served. With MLA_GPU_RESULTS the tests replay recorded results on any machine (skipped where a
