@@ -35,16 +35,14 @@ class DecodeCrossover:
     The region where the shared call was measured faster than vLLM's decode, one R1 layer at TP=8 on
     an H100 with vLLM 0.34.0's FA3 (docs/benchmarks.md, "Decode over a shared prefix"): a 32k prefix
     with 64 requests or more (2.1-2.7x; 1.5x with 256 private tokens each). Outside it the shared call
-    lost or was not measured: 32 requests (0.95x), an 8k prefix (0.55x, 0.83x), 4 new tokens per
-    request (speculative decoding, 0.93x); those rows run vLLM's decode.
+    lost or was not measured: 32 requests (0.95x), an 8k prefix (0.55x, 0.83x); those rows run vLLM's
+    decode. (Rows with more than one new token, 0.93x at 4, are never grouped: :func:`plan_decode`.)
     """
 
     min_members: int = 64
     min_shared_tokens: int = 32768
 
     def __call__(self, members: int, shared_tokens: int, member_query_tokens: int) -> float:
-        if member_query_tokens != members:  # more than one new token per row
-            return 0.0
         if members < self.min_members or shared_tokens < self.min_shared_tokens:
             return 0.0
         return float((members - 1) * shared_tokens)
@@ -67,6 +65,7 @@ class DeviceDecodeGroup(NamedTuple):
     cu_queries: torch.Tensor  # int32 [0, B]: all members' queries as one sequence
     num_members: int
     num_tokens: int  # the prefix's tokens (whole blocks)
+    every_row: bool  # the members are the step's decode rows, all of them in order (no gather)
 
 
 @dataclass
@@ -89,7 +88,7 @@ class DecodePlan:
             host += [torch.from_numpy(g.members), torch.from_numpy(g.block_ids).view(1, -1), fixed]
         moved = iter(copy_as_one(host, block_table.device))
         own_table, own_lens = block_table.clone(), seq_lens.clone()
-        width = block_table.shape[1]
+        rows, width = block_table.shape
         groups = []
         for g in self.groups:
             members, prefix, fixed = next(moved), next(moved), next(moved)
@@ -97,7 +96,8 @@ class DecodePlan:
             own_table[members, : width - n] = block_table[members, n:]
             own_lens[members] -= tokens
             b = int(g.members.shape[0])
-            groups.append(DeviceDecodeGroup(members, prefix, fixed[:1], fixed[1:], b, tokens))
+            every = b == rows and bool((g.members == np.arange(rows)).all())
+            groups.append(DeviceDecodeGroup(members, prefix, fixed[:1], fixed[1:], b, tokens, every))
         return DeviceDecodePlan(groups, own_table, own_lens, self.max_own_len)
 
 
@@ -119,8 +119,11 @@ def plan_decode(
 
     ``block_rows`` [rows, max_blocks], ``seq_lens`` and ``query_lens`` [rows]: host copies for the
     step's decode rows. A row offers the full blocks of its context before its new tokens, so each
-    member keeps at least its new token on its own pages.
+    member keeps at least its new token on its own pages. Only steps of one new token a row are
+    planned: the shared call takes one query per member (more lost where measured: speculative decoding).
     """
+    if np.any(np.asarray(query_lens) != 1):
+        return None
     context = np.asarray(seq_lens, dtype=np.int64) - np.asarray(query_lens, dtype=np.int64)
     found = find_shared_prefixes(block_rows, context, block_size, query_lens, value)
     if not found:
@@ -140,6 +143,39 @@ latent attention at the layer's scale."""
 Merge = Callable[[Any, Any, Any, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
+def fa3_attend(
+    kernel: Callable[..., Any],
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    shared_splits: int = 0,
+) -> Attend:
+    """An :data:`Attend` on FA3's paged varlen call with ``q_v`` (``kernel``: vLLM's
+    ``flash_attn_varlen_func`` binding) over the latent cache ``[blocks, block_size, rank + rope]``;
+    ``shared_splits``: FA3's split of the keys for the shared (non-causal) call, 0: its heuristic."""
+    k_pe, kv_c = kv_cache[..., kv_lora_rank:].unsqueeze(-2), kv_cache[..., :kv_lora_rank].unsqueeze(-2)
+
+    def attend(q_pe, q_nope, block_table, seq_lens, cu_queries, max_queries, max_keys, causal):
+        return kernel(
+            q=q_pe,
+            k=k_pe,
+            v=kv_c,
+            q_v=q_nope,
+            max_seqlen_q=max_queries,
+            cu_seqlens_q=cu_queries,
+            max_seqlen_k=max_keys,
+            seqused_k=seq_lens,
+            block_table=block_table,
+            softmax_scale=scale,
+            causal=causal,
+            return_softmax_lse=True,
+            fa_version=3,
+            num_splits=0 if causal else shared_splits,
+        )
+
+    return attend
+
+
 def decode_attention(
     q_pe: torch.Tensor,
     q_nope: torch.Tensor,
@@ -154,6 +190,8 @@ def decode_attention(
     out, lse = attend(q_pe, q_nope, *own, True)
     for g in plan.groups:
         prefix = (g.prefix_row, g.prefix_len, g.cu_queries, g.num_members, g.num_tokens)
+        if g.every_row:  # the only group: no gather, no scatter
+            return merge(*attend(q_pe, q_nope, *prefix, False), out, lse)
         shared_out, shared_lse = attend(q_pe[g.members], q_nope[g.members], *prefix, False)
         merged, merged_lse = merge(shared_out, shared_lse, out[g.members], lse[:, g.members])
         out[g.members] = merged

@@ -1,7 +1,7 @@
 """vLLM 0.20.2's decode (absorbed) path, FLASH_ATTN_MLA on Hopper, for the layer benchmark's requests:
 the ``q_nope x W_UK_T`` absorption, ``forward_mqa``'s FA3 call over the paged latent cache, ``_v_up_proj``;
-and the shared-prefix decode candidate: the same absorption, one FA3 call of every request's queries over
-the shared prefix's pages, one over each request's own pages, vLLM's LSE merge.
+and the shared-prefix decode as the add-on serves it (its own code): the same absorption, one FA3 call of
+every request's queries over the shared prefix's pages, one over each request's own pages, vLLM's LSE merge.
 """
 
 from __future__ import annotations
@@ -119,15 +119,25 @@ def prepare_shared_absorbed(
     merge: Callable | None = None,
     num_splits: int = 0,
 ) -> Callable[[], Any]:
-    """The shared-prefix decode candidate for the case's requests on one layer: [T, H x 128].
+    """The shared-prefix decode as the add-on serves it, for the case's requests on one layer: [T, H x 128].
 
-    Every query sits after the whole shared prefix, so one non-causal call of all the requests' queries
-    (one sequence) reads the prefix's pages once; a causal call reads each request's own pages (private
-    context and new tokens); ``merge_attn_states`` combines the two by their LSEs. Metadata is built once
-    (fixed shapes, as a captured CUDA graph needs). ``attention``/``merge``: reference kernels on a CPU;
-    ``num_splits``: FA3's split of the prefix call (0: its heuristic; one long sequence may want more).
+    The path's own code (:mod:`mla_prefill_ext.shared_prefix.decode`): the step's plan over the decode
+    block table (every group of rows sharing whole blocks: the crossover is what this measures), one
+    non-causal call of all the group's queries over the prefix's pages, the step's causal call over each
+    row's own pages, vLLM's ``merge_attn_states``; planned once (the path plans once a step, not a layer).
+    ``attention``/``merge``: reference kernels on a CPU; ``num_splits``: FA3's split of the prefix call
+    (0: its heuristic). One new token a request: the path serves nothing else.
     """
+    import numpy as np
     import torch
+
+    from mla_prefill_ext.shared_prefix.decode import (
+        DecodeCrossover,
+        decode_attention,
+        fa3_attend,
+        plan_decode,
+    )
+    from mla_prefill_ext.shared_prefix.execute import vllm_merge
 
     if attention is None:
         from vllm.v1.attention.ops.merge_attn_states import merge_attn_states as merge
@@ -135,33 +145,24 @@ def prepare_shared_absorbed(
     d = R1_TP8
     heads, nope, rope, rank = d["num_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["kv_lora_rank"]
     w_uk_t, w_uv = absorbed_weights(case["w"])
-    cache, q, loc, table = case["cache"], case["q"], case["loc"], case["decode_table"]
-    prefix, pages = case["prefix"], case["prefix"] // BLOCK_SIZE
-    assert pages > 0 and prefix % BLOCK_SIZE == 0, "the shared prefix must fill whole pages"
-    tokens = q.shape[0]
-    own_lens = [n - prefix for n in case["seq_lens"]]
-    i32 = dict(dtype=torch.int32, device=device)
-    common = dict(k=cache[..., rank:].unsqueeze(-2), v=cache[..., :rank].unsqueeze(-2), fa_version=3)
-    common.update(softmax_scale=(nope + rope) ** -0.5, return_softmax_lse=True)
-    shared = dict(
-        block_table=table[:1, :pages].contiguous().to(device), seqused_k=torch.tensor([prefix], **i32)
-    )
-    shared.update(cu_seqlens_q=torch.tensor([0, tokens], **i32), max_seqlen_q=tokens, max_seqlen_k=prefix)
-    own = dict(block_table=table[:, pages:].contiguous().to(device), seqused_k=torch.tensor(own_lens, **i32))
-    own.update(
-        cu_seqlens_q=loc.to(device), max_seqlen_q=int((loc[1:] - loc[:-1]).max()), max_seqlen_k=max(own_lens)
-    )
-    latent = torch.empty(tokens, heads, rank, dtype=q.dtype, device=q.device)
-    output = torch.empty(tokens, heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
+    q, loc, table = case["q"], case["loc"], case["decode_table"]
+    query_lens = (loc[1:] - loc[:-1]).numpy()
+    every_group = DecodeCrossover(min_members=2, min_shared_tokens=BLOCK_SIZE)
+    plan = plan_decode(table.numpy(), np.asarray(case["seq_lens"]), query_lens, BLOCK_SIZE, every_group)
+    if plan is None:
+        raise ValueError("shared_absorbed: the path serves steps of one new token a request sharing a prefix")
+    seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=device)
+    on_device = plan.to(table.to(device), seq_lens)
+    attend = fa3_attend(attention, case["cache"], rank, (nope + rope) ** -0.5, shared_splits=num_splits)
+    loc = loc.to(device)
+    output = torch.empty(q.shape[0], heads * d["v_head_dim"], dtype=q.dtype, device=q.device)
 
     def run() -> torch.Tensor:
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)
-        prefix_out, prefix_lse = attention(
-            q=q_pe, q_v=ql_nope, causal=False, **shared, **common, num_splits=num_splits
+        latent, _ = decode_attention(
+            q_pe, ql_nope, on_device, loc, 1, attend, lambda *states: vllm_merge(*states, kernel=merge)
         )
-        own_out, own_lse = attention(q=q_pe, q_v=ql_nope, causal=True, **own, **common, num_splits=0)
-        merge(latent, prefix_out, prefix_lse, own_out, own_lse)
         v_up_proj(latent, w_uv, output)
         return output
 

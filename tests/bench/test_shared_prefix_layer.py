@@ -81,12 +81,14 @@ def paged_latent_attention(calls, **kw):
     return (out, torch.cat(lses, dim=1).float()) if kw["return_softmax_lse"] else out
 
 
-def lse_merge(out, prefix_out, prefix_lse, own_out, own_lse):
-    """Float64 stand-in for vLLM's ``merge_attn_states``."""
-    wp, wo = prefix_lse.T.double()[..., None], own_lse.T.double()[..., None]
+def lse_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None):
+    """Float64 stand-in for vLLM's ``merge_attn_states`` (its keywords)."""
+    wp, wo = prefix_lse.T.double()[..., None], suffix_lse.T.double()[..., None]
     top = torch.maximum(wp, wo)
     wp, wo = torch.exp(wp - top), torch.exp(wo - top)
-    out.copy_((prefix_out.double() * wp + own_out.double() * wo) / (wp + wo))
+    output.copy_((prefix_output.double() * wp + suffix_output.double() * wo) / (wp + wo))
+    if output_lse is not None:
+        output_lse.copy_((top + torch.log(wp + wo))[..., 0].T)
 
 
 @pytest.mark.parametrize("private", [200, 128])  # new tokens starting in a partly filled block, and not
@@ -105,10 +107,11 @@ def test_the_absorbed_side_is_attention_over_context_and_new_tokens(private):
     assert call["q_v"].shape == (120, 16, 512) and call["q"].shape == (120, 16, 64)
 
 
-@pytest.mark.parametrize("private, new", [(0, 1), (200, 1), (128, 3)])
+@pytest.mark.parametrize("private", [0, 200, 128])
 def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_context_and_new_tokens(
-    private, new
+    private,
 ):
+    new = 1
     case = bench.make_case(4, 256, private, new, "cpu", seed=3)
     calls = []
     attention = lambda **kw: paged_latent_attention(calls, **kw)  # noqa: E731
@@ -116,11 +119,17 @@ def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_
     out = run().view(case["q"].shape[0], bench.R1_TP8["num_heads"], -1).double()
     ref, _ = bench.whole_reference(case, decode=True)
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
-    shared, own = calls
+    own, shared = calls  # the path's order: the step's call over own pages, then each group's
     assert shared["block_table"].tolist() == [list(range(4))] and shared["seqused_k"].tolist() == [256]
     assert not shared["causal"] and shared["cu_seqlens_q"].tolist() == [0, 4 * new]  # one call, every query
     assert own["causal"] and own["seqused_k"].tolist() == [private + new] * 4
     assert shared["num_splits"] == 8 and own["num_splits"] == 0  # --shared-splits: the prefix call's only
+
+
+def test_the_shared_decode_side_measures_only_what_the_path_serves():
+    case = bench.make_case(4, 256, 128, 3, "cpu", seed=3)  # three new tokens a request: never served
+    with pytest.raises(ValueError, match="one new token"):
+        bench.prepare_shared_absorbed(case, "cpu", attention=lambda **kw: None, merge=lse_merge)
 
 
 def test_the_decode_table_gives_each_request_its_own_new_blocks():

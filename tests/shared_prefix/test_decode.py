@@ -40,6 +40,9 @@ def test_the_plan_groups_the_rows_that_share_full_context_blocks():
     # The groups' host arrays went over as one buffer (one copy a step).
     g = device.groups[0]
     assert len({t.untyped_storage().data_ptr() for t in (g.members, g.prefix_row, g.prefix_len)}) == 1
+    assert not g.every_row  # rows 4 and 5 are not members: the group's queries are gathered
+    four = plan_decode(ROWS[:4], SEQ_LENS[:4], np.ones(4, dtype=np.int64), BS, EVERY_GROUP)
+    assert four.to(torch.from_numpy(ROWS[:4]), torch.from_numpy(SEQ_LENS[:4]).int()).groups[0].every_row
 
 
 def test_the_crossover_serves_only_what_was_measured_faster():

@@ -24,7 +24,7 @@ from mla_prefill_ext._logging import first_time, log_once, logger
 from mla_prefill_ext.hosts.core.shared_prefix import block_tables, costs, counters, needs, switch
 from mla_prefill_ext.mla_layers import MLA_MODULE
 from mla_prefill_ext.settings import shared_decode_setting
-from mla_prefill_ext.shared_prefix.decode import decode_attention, plan_decode
+from mla_prefill_ext.shared_prefix.decode import decode_attention, fa3_attend, plan_decode
 from mla_prefill_ext.shared_prefix.execute import vllm_merge
 
 DECODE_ATTR = "mla_shared_decode"
@@ -146,32 +146,6 @@ def _arg(args: Any, kwargs: Any, name: str, index: int) -> Any:
     return kwargs[name] if name in kwargs else args[index]
 
 
-def _fa3_attend(impl: Any, kv_cache: Any) -> Any:
-    """The decode backend's own paged FA3 call (its module's binding), at the layer's scale."""
-    kernel = sys.modules[needs.FA_MLA_MODULE].flash_attn_varlen_func
-    rank = impl.kv_lora_rank
-    k_pe, kv_c = kv_cache[..., rank:].unsqueeze(-2), kv_cache[..., :rank].unsqueeze(-2)
-
-    def attend(q_pe, q_nope, block_table, seq_lens, cu_queries, max_queries, max_keys, causal):
-        return kernel(
-            q=q_pe,
-            k=k_pe,
-            v=kv_c,
-            q_v=q_nope,
-            max_seqlen_q=max_queries,
-            cu_seqlens_q=cu_queries,
-            max_seqlen_k=max_keys,
-            seqused_k=seq_lens,
-            block_table=block_table,
-            softmax_scale=impl.scale,
-            causal=causal,
-            return_softmax_lse=True,
-            fa_version=3,
-        )
-
-    return attend
-
-
 def forward_mqa(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """``FlashAttnMLAImpl.forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)``."""
     attn_metadata = _arg(args, kwargs, "attn_metadata", 2)
@@ -187,13 +161,16 @@ def forward_mqa(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     else:
         q_nope, q_pe = torch.split(q, [instance.kv_lora_rank, instance.qk_rope_head_dim], dim=-1)
     merge = sys.modules[MLA_MODULE].merge_attn_states  # the binding vLLM's own context loop calls
+    kernel = sys.modules[needs.FA_MLA_MODULE].flash_attn_varlen_func  # the decode backend's own binding
     out, _ = decode_attention(
         q_pe,
         q_nope,
         plan,
         decode.query_start_loc,
         max(decode.max_query_len, 1),
-        _fa3_attend(instance, _arg(args, kwargs, "kv_c_and_k_pe_cache", 1)),
+        fa3_attend(
+            kernel, _arg(args, kwargs, "kv_c_and_k_pe_cache", 1), instance.kv_lora_rank, instance.scale
+        ),
         lambda *states: vllm_merge(*states, kernel=merge),
     )
     return out, None
