@@ -35,8 +35,9 @@
 #                                                       # or a backend; default FLASH_ATTN), its workload's peak
 # PREFIX_LENS=32768,8192 (bench, bench-compiled): the shared points at each prefix length.
 # NAMES=a,b (parity, decode-parity): those scenarios only (parity: and their pairs); the verdicts are replayed
-# on a CPU then. PACK=1 (parity, decode-parity): the scenarios' files as one OUT/scenarios.tar.gz; SHARP_DIR:
-# where the checkpoint goes.
+# on a CPU then. PACK=1 (parity, decode-parity): the scenarios' files as one OUT/scenarios.tar.gz; BUDGET=S
+# (parity, decode-parity): the scenarios stop after S seconds, those done kept; SHARP_DIR: where the checkpoint
+# goes.
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md ("Shared-prefix engine").
 set -u
@@ -119,9 +120,10 @@ parity | decode-parity)
   names=${NAMES:-$names}
   stamp "scenarios $names"
   # The checkpoint (regenerated from its seed, tens of MB) stays out of OUT.
-  "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" \
+  # BUDGET (seconds, 0: none): the scenarios stop there; those done are kept (and packed with PACK=1).
+  timeout --kill-after=15 "${BUDGET:-0}" "$python" -m scripts.gpu_harness.scenarios --results "$out/scenarios" \
     --model-dir "${SHARP_DIR:-${TMPDIR:-/tmp}/mla-sharp-checkpoint}" --only "$names" >"$out/scenarios.log" 2>&1
-  ran=$?  # a scenario that failed to run, or a name the harness does not know
+  ran=$?  # a scenario that failed to run, a name the harness does not know, or 124: BUDGET ran out
   if [[ -n ${NAMES:-} ]]; then  # a subset: the verdicts would run the others here; replay them on a CPU
     where=$out/scenarios
     [[ ${PACK:-0} == 1 ]] && where="(OUT/scenarios.tar.gz unpacked)"
