@@ -49,6 +49,9 @@ class DecodeCrossover:
 
 
 DECODE_CROSSOVER = DecodeCrossover()
+ANY_SHARED_BLOCK = DecodeCrossover(min_members=2, min_shared_tokens=1)
+"""Every group of two or more rows sharing a whole block: what correctness checks and the layer benchmark
+serve (the crossover is what they check or measure, not what they assume)."""
 
 
 class HostDecodeGroup(NamedTuple):

@@ -132,7 +132,7 @@ def prepare_shared_absorbed(
     import torch
 
     from mla_prefill_ext.shared_prefix.decode import (
-        DecodeCrossover,
+        ANY_SHARED_BLOCK,
         decode_attention,
         fa3_attend,
         plan_decode,
@@ -147,8 +147,7 @@ def prepare_shared_absorbed(
     w_uk_t, w_uv = absorbed_weights(case["w"])
     q, loc, table = case["q"], case["loc"], case["decode_table"]
     query_lens = (loc[1:] - loc[:-1]).numpy()
-    every_group = DecodeCrossover(min_members=2, min_shared_tokens=BLOCK_SIZE)
-    plan = plan_decode(table.numpy(), np.asarray(case["seq_lens"]), query_lens, BLOCK_SIZE, every_group)
+    plan = plan_decode(table.numpy(), np.asarray(case["seq_lens"]), query_lens, BLOCK_SIZE, ANY_SHARED_BLOCK)
     if plan is None:
         raise ValueError("shared_absorbed: the path serves steps of one new token a request sharing a prefix")
     seq_lens = torch.tensor(case["seq_lens"], dtype=torch.int32, device=device)

@@ -308,11 +308,11 @@ def install_shared_decode_wrapper(mode: str, evidence: Path) -> list[Installed]:
     their own pages); ``segment-scale``: the shared calls' queries times :data:`SEGMENT_SCALE_ERROR` (a
     softmax scale 2% off)."""
     from mla_prefill_ext.hosts.core.shared_prefix import costs
-    from mla_prefill_ext.shared_prefix.decode import DecodeCrossover
+    from mla_prefill_ext.shared_prefix.decode import ANY_SHARED_BLOCK
 
     if mode not in ("record", *SHARED_MUTANTS):
         raise ValueError(f"unknown shared-decode wrapper mode {mode!r}")
-    costs.DECODE_VALUE = DecodeCrossover(min_members=2, min_shared_tokens=1)  # any whole block shared
+    costs.DECODE_VALUE = ANY_SHARED_BLOCK
 
     def wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         q_pe, q_nope, plan, *step, attend, merge = args  # the hook passes them by position

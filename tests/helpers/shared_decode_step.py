@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mla_prefill_ext.shared_prefix.decode import DecodeCrossover
+from mla_prefill_ext.shared_prefix.decode import ANY_SHARED_BLOCK
 
 BS, RANK, ROPE, HEADS, SCALE = 4, 32, 8, 4, 0.3
-EVERY_GROUP = DecodeCrossover(min_members=2, min_shared_tokens=BS)
+EVERY_GROUP = ANY_SHARED_BLOCK
 SEQ_LENS = np.array([14, 15, 13, 17, 6, 9])
 ROWS = np.array(
     [

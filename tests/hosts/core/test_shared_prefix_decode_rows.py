@@ -19,7 +19,7 @@ import torch
 from mla_layer_on_cpu import activate_on_this_vllm, cpu_flash_attn_varlen_func, cpu_step_kernels, make_builder
 from vllm_runner_objects import runner_block_table
 
-from mla_prefill_ext.shared_prefix.decode import DecodeCrossover
+from mla_prefill_ext.shared_prefix.decode import ANY_SHARED_BLOCK
 from mla_prefill_ext.testing import vllm_host as host
 
 FA_MLA = "vllm.v1.attention.backends.mla.flashattn_mla"
@@ -44,7 +44,7 @@ def fa_mla(clean_selection, tmp_path):
     from mla_prefill_ext.hosts.core.shared_prefix import costs, decode_rows
 
     assert decode_rows.WRAP_PROBLEMS["any"] is None
-    clean_selection.setattr(costs, "DECODE_VALUE", DecodeCrossover(min_members=2, min_shared_tokens=BS))
+    clean_selection.setattr(costs, "DECODE_VALUE", ANY_SHARED_BLOCK)
     cfg = host.make_vllm_config(host.write_model_dir(tmp_path))
     with (
         host.gpu_view((9, 0)),
