@@ -12,6 +12,10 @@
 #                                                       # paused (all of it; plan+route; the engine core's parts)
 #                                                       # call by call in one add-on engine, next to two stock
 #                                                       # lifetimes (cost vs lifetime spread)
+#   bash scripts/gpu_shared_prefix_suite.sh OUT parts    # eager, shared 32k and 8k prefixes, N = 32, 128, 512:
+#                                                       # each part of the path paused alone in one add-on
+#                                                       # engine, the whole path paused, stock (what each part is
+#                                                       # worth)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT lifetimes  # eager, fresh prompts: three stock engines, three
 #                                                       # with the path on, two with it off, side by side
 #                                                       # (what a configuration costs vs what lifetimes of one
@@ -41,8 +45,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md ("Shared-prefix engine").
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|decode-parity|tp2|layer|memory}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|lifetimes|parity|decode-parity|tp2|layer|memory}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|layer|memory}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|layer|memory}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -92,6 +96,15 @@ pause)
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-pause.log" |
     grep "^|\|^note:\|against every stock lifetime\|in one engine lifetime"
+  ;;
+parts)
+  stamp "each part of the path paused alone in one engine lifetime (eager), shared 32k and 8k prefixes"
+  "$python" -m scripts.bench shared_prefix_engine --eager \
+    --sides stock,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan,FLASH_ATTN:pause-route,FLASH_ATTN:pause-hashes,FLASH_ATTN:pause-hits,FLASH_ATTN:pause-gather \
+    --scenarios shared --prefix-lens "${PREFIX_LENS:-32768,8192}" --points 16x32,16x128,16x512 \
+    --reps "${REPS:-3}" --stop-after "${STOP_AFTER:-470}" --json "$out/engine-parts.json" >"$out/engine-parts.log" 2>&1
+  rc=$?
+  grep -v "WARNING\|INFO" "$out/engine-parts.log" | grep "^|\|^note:\|in one engine lifetime"
   ;;
 lifetimes)
   if [[ ${COMPILED:-0} == 1 ]]; then  # each engine compiles: fewer of them, the one compiled point left open
@@ -180,7 +193,7 @@ layer)
   tail -20 "$out/layer.log"
   ;;
 *)
-  echo "unknown part '$part': bench, bench-compiled, control, pause, lifetimes, parity, decode-parity, tp2, layer or memory" >&2
+  echo "unknown part '$part': bench, bench-compiled, control, pause, parts, lifetimes, parity, decode-parity, tp2, layer or memory" >&2
   exit 2
   ;;
 esac
