@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from .path_parts import PARTS
 from .shared_prefix_workload import Point
 from .sides import markdown_table
 
@@ -137,13 +138,17 @@ def bootstrap_interval(values: Sequence[float], resamples: int, seed: str) -> tu
     return cuts[0], cuts[-1]
 
 
-def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> list[str]:
+def pause_table(
+    seconds: Raw, hosts: dict[str, str], whole: dict[str, str] | None = None, resamples: int = 2000
+) -> list[str]:
     """Each pause side against the side whose engine ran its calls (``hosts``: pause side -> host), per
     point (Markdown; none without pause sides): the paired ratio host seconds / pause seconds, median
     with a 95% bootstrap interval of that median (:func:`bootstrap_interval`), and its min-max. Above 1:
     the calls ran faster with those parts paused (what the parts cost in that one engine lifetime); the
-    interval's width is what the run can resolve."""
+    interval's width is what the run can resolve. ``whole`` (host -> its side with every part paused):
+    each row's share of the whole path's gain, (paused - host) / (all paused - host) of median seconds."""
     rows = []
+    whole = whole or {}
     keys = list(dict.fromkeys(key for pause in hosts for key in seconds.get(pause) or {}))
     for key in keys:
         for pause, host in hosts.items():
@@ -154,11 +159,37 @@ def pause_table(seconds: Raw, hosts: dict[str, str], resamples: int = 2000) -> l
             low, high = bootstrap_interval(ratios, resamples, seed=f"{key}|{pause}")
             interval = f"{statistics.median(ratios):.3f} [{low:.3f}-{high:.3f}]"
             spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
-            rows.append([key, f"{host} / {pause}", str(len(ratios)), interval, spread])
+            rows.append(
+                [
+                    key,
+                    f"{host} / {pause}",
+                    str(len(ratios)),
+                    interval,
+                    spread,
+                    _share(seconds, key, host, pause, whole),
+                ]
+            )
     if not rows:
         return []
-    columns = ["point", "host / pause side", "pairs", "median [95% interval]", "min-max"]
+    columns = [
+        "point",
+        "host / pause side",
+        "pairs",
+        "median [95% interval]",
+        "min-max",
+        "share of the path's gain",
+    ]
     return markdown_table(columns, rows)
+
+
+def _share(seconds: Raw, key: str, host: str, pause: str, whole: dict[str, str]) -> str:
+    """``pause``'s share of the whole path's gain at ``key`` (:func:`pause_table`); "-" where the host has
+    no side with every part paused timed there, or pausing everything gained nothing to share."""
+    everything = (seconds.get(whole.get(host, "")) or {}).get(key) or []
+    if not everything:
+        return "-"
+    on, paused, off = (statistics.median(seconds[s][key]) for s in (host, pause, whole[host]))
+    return f"{100 * (paused - on) / (off - on):.0f}%" if off > on else "-"
 
 
 COMPARISONS = {
@@ -175,9 +206,12 @@ def comparisons(seconds: Raw, sides: Sequence[dict[str, Any]]) -> dict[str, list
     labels = [s["label"] for s in sides]
     stock = [s["label"] for s in sides if s.get("backend") == "stock"]
     hosts = {s["label"]: s["engine"] for s in sides if s.get("engine")}
+    whole = {
+        s["engine"]: s["label"] for s in sides if s.get("engine") and set(s.get("pause") or ()) >= set(PARTS)
+    }
     return {
         "against_stock_lifetimes": lifetime_table(seconds, labels, stock),
-        "pause_vs_host": pause_table(seconds, hosts),
+        "pause_vs_host": pause_table(seconds, hosts, whole),
     }
 
 

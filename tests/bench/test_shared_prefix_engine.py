@@ -17,6 +17,7 @@ import pytest
 
 from scripts.bench import engine
 from scripts.bench import shared_prefix_engine as bench
+from scripts.bench.path_parts import PARTS
 from scripts.bench.shared_prefix_table import (
     cache_notes,
     comparison_lines,
@@ -531,11 +532,13 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
     }
     hosts = {"FLASH_ATTN:pause": "FLASH_ATTN", "FLASH_ATTN:pause-plan+route": "FLASH_ATTN"}
     lines = pause_table(seconds, hosts)
-    assert lines[0] == "| point | host / pause side | pairs | median [95% interval] | min-max |"
+    assert lines[0] == (
+        "| point | host / pause side | pairs | median [95% interval] | min-max | share of the path's gain |"
+    )
     assert len(lines) == 3
     cells = lines[2].split(" | ")
     assert cells[1:3] == ["FLASH_ATTN / FLASH_ATTN:pause", "31"]
-    assert cells[3].startswith("1.150 [") and cells[4] == "1.000-1.300 |"
+    assert cells[3].startswith("1.150 [") and cells[4:] == ["1.000-1.300", "- |"]  # no side pausing all named
     # The interval, bootstrapped here on its own: the 50th and the 1,951st of 2,000 sorted medians.
     rng = random.Random(f"{key}|FLASH_ATTN:pause")
     medians = sorted(statistics.median(rng.choices(host, k=31)) for _ in range(2000))
@@ -554,6 +557,41 @@ def test_a_pause_side_is_read_against_its_host_in_their_one_engine_lifetime():
         "the path on / paused, in one engine lifetime",
         *lines,
     ]
+
+
+def test_each_paused_part_is_given_its_share_of_the_whole_paths_gain():
+    key = "shared P=32768 B=16 N=128"
+    seconds = {
+        "FLASH_ATTN": {key: [1.0, 1.1, 0.9]},  # median 1.0
+        "FLASH_ATTN:pause": {key: [2.0, 2.2, 1.9]},  # everything paused: median 2.0
+        "FLASH_ATTN:pause-hits": {key: [1.2, 1.3, 1.25]},  # median 1.25: a quarter of the gain
+        "FLASH_ATTN:pause-gather": {key: [0.95, 1.0, 1.05]},  # median 1.0: none of it
+    }
+    recorded_sides = [
+        {"label": "FLASH_ATTN", "backend": "FLASH_ATTN", "engine": None, "pause": []},
+        {"label": "FLASH_ATTN:pause", "backend": "FLASH_ATTN", "engine": "FLASH_ATTN", "pause": list(PARTS)},
+        {
+            "label": "FLASH_ATTN:pause-hits",
+            "backend": "FLASH_ATTN",
+            "engine": "FLASH_ATTN",
+            "pause": ["hits"],
+        },
+        {
+            "label": "FLASH_ATTN:pause-gather",
+            "backend": "FLASH_ATTN",
+            "engine": "FLASH_ATTN",
+            "pause": ["gather"],
+        },
+    ]
+    rows = comparisons(seconds, recorded_sides)["pause_vs_host"][2:]
+    assert [(r.split(" | ")[1], r.split(" | ")[-1]) for r in rows] == [
+        ("FLASH_ATTN / FLASH_ATTN:pause", "100% |"),
+        ("FLASH_ATTN / FLASH_ATTN:pause-hits", "25% |"),
+        ("FLASH_ATTN / FLASH_ATTN:pause-gather", "0% |"),
+    ]
+    # Pausing everything gained nothing: no share to give.
+    flat = {**seconds, "FLASH_ATTN:pause": {key: [1.0, 1.0, 1.0]}}
+    assert {r.split(" | ")[-1] for r in comparisons(flat, recorded_sides)["pause_vs_host"][2:]} == {"- |"}
 
 
 def test_a_pause_side_times_its_calls_on_an_earlier_sides_engine_with_parts_paused():
