@@ -86,25 +86,24 @@ control)
   rc=$?
   grep -v "WARNING\|INFO" "$out/engine-control.log" | grep "^|\|^note:\|against every stock lifetime"
   ;;
-pause)
-  stamp "the path on and paused in one engine lifetime (eager), two stock lifetimes"
-  "$python" -m scripts.bench shared_prefix_engine --eager \
-    --sides stock,stock:2,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan+route,FLASH_ATTN:pause-hashes+hits+gather \
-    --scenarios private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 \
-    --reps "${REPS:-200}" --gpu-mem 0.2 --stop-after "${STOP_AFTER:-470}" \
-    --json "$out/engine-pause.json" >"$out/engine-pause.log" 2>&1
+pause | parts)
+  if [[ $part == pause ]]; then  # where nothing is shared: does the path cost anything, against two stock lifetimes
+    stamp "the path on and paused in one engine lifetime (eager), two stock lifetimes"
+    sides=stock,stock:2,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan+route,FLASH_ATTN:pause-hashes+hits+gather
+    shape=(--scenarios private,fresh --prefix-lens 32768 --points 16x32,16x128 --private-points 16x128 --gpu-mem 0.2)
+    reps=${REPS:-200}
+  else  # over a shared prefix: what each part is worth, as its share of the whole path's gain
+    stamp "each part of the path paused alone in one engine lifetime (eager), shared 32k and 8k prefixes"
+    sides=stock,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan,FLASH_ATTN:pause-route,FLASH_ATTN:pause-hashes
+    sides=$sides,FLASH_ATTN:pause-hits,FLASH_ATTN:pause-gather
+    shape=(--scenarios shared --prefix-lens "${PREFIX_LENS:-32768,8192}" --points 16x32,16x128,16x512)
+    reps=${REPS:-3}
+  fi
+  "$python" -m scripts.bench shared_prefix_engine --eager --sides "$sides" "${shape[@]}" --reps "$reps" \
+    --stop-after "${STOP_AFTER:-470}" --json "$out/engine-$part.json" >"$out/engine-$part.log" 2>&1
   rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-pause.log" |
+  grep -v "WARNING\|INFO" "$out/engine-$part.log" |
     grep "^|\|^note:\|against every stock lifetime\|in one engine lifetime"
-  ;;
-parts)
-  stamp "each part of the path paused alone in one engine lifetime (eager), shared 32k and 8k prefixes"
-  "$python" -m scripts.bench shared_prefix_engine --eager \
-    --sides stock,FLASH_ATTN,FLASH_ATTN:pause,FLASH_ATTN:pause-plan,FLASH_ATTN:pause-route,FLASH_ATTN:pause-hashes,FLASH_ATTN:pause-hits,FLASH_ATTN:pause-gather \
-    --scenarios shared --prefix-lens "${PREFIX_LENS:-32768,8192}" --points 16x32,16x128,16x512 \
-    --reps "${REPS:-3}" --stop-after "${STOP_AFTER:-470}" --json "$out/engine-parts.json" >"$out/engine-parts.log" 2>&1
-  rc=$?
-  grep -v "WARNING\|INFO" "$out/engine-parts.log" | grep "^|\|^note:\|in one engine lifetime"
   ;;
 lifetimes)
   if [[ ${COMPILED:-0} == 1 ]]; then  # each engine compiles: fewer of them, the one compiled point left open
