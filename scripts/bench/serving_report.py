@@ -21,8 +21,8 @@ HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total
 SAMPLES = [f"{m}_{p}" for m in TIMERS.values() for p in ("sum", "count")] + [HITS, QUERIES]
 RATIOS = ("ttft_mean_ms", "duration_s", "tpot_mean_ms")  # stock / side: above 1, the side is faster
 COLUMNS = ["lifetimes", *list(CLIENT)[:7], *(f"stock/side {k}" for k in RATIOS), "engine_requests"]
-COLUMNS += ["engine_ttft_ms", "front_end_ttft_ms", *(f"engine_{t}_ms" for t in list(TIMERS)[:4])]
-COLUMNS += ["prefix_hits"]
+COLUMNS += ["engine_ttft_ms", "front_end_ttft_ms", "handover_ms"]
+COLUMNS += [*(f"engine_{t}_ms" for t in list(TIMERS)[:4]), "prefix_hits"]
 
 
 def totals(text: str) -> dict[str, float]:
@@ -38,15 +38,21 @@ def totals(text: str) -> dict[str, float]:
 
 def lifetime_figures(workload: dict[str, Any]) -> dict[str, Any]:
     """One lifetime's figures for a workload: the client's; the server's between the two scrapes (requests,
-    each timer's mean, the prefix cache's hit rate); the front end's share of TTFT (client's - engine's)."""
+    each timer's mean, the prefix cache's hit rate); where TTFT goes: the front end's share (client's TTFT -
+    vLLM's) and the hand-over's (vLLM's TTFT - queue - prefill: from vLLM's front end into the engine core's
+    scheduler and the first token back, the engine core's intake and block hashing included; vLLM stamps TTFT
+    on the front end's clock, queue and prefill on the engine core's)."""
     out = {ours: workload["client"][theirs] for ours, theirs in CLIENT.items()}
     d = {k: workload["metrics_after"][k] - v for k, v in workload["metrics_before"].items()}
     out["engine_requests"] = d[f"{TIMERS['e2e']}_count"]
     for short, m in TIMERS.items():
         out[f"engine_{short}_ms"] = 1000 * d[f"{m}_sum"] / d[f"{m}_count"] if d[f"{m}_count"] else None
     out["prefix_hits"] = d[HITS] / d[QUERIES] if d[QUERIES] else None
+    out["front_end_ttft_ms"] = out["handover_ms"] = None
     if out["engine_ttft_ms"] is not None:
         out["front_end_ttft_ms"] = out["ttft_mean_ms"] - out["engine_ttft_ms"]
+        if out["engine_queue_ms"] is not None and out["engine_prefill_ms"] is not None:
+            out["handover_ms"] = out["engine_ttft_ms"] - out["engine_queue_ms"] - out["engine_prefill_ms"]
     return out
 
 

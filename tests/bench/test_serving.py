@@ -156,8 +156,10 @@ def test_metrics_totals_and_deltas_read_vllms_own_exposition():
 
     logger = loggers.PrometheusStatLogger(vllm_host.make_vllm_config(MODEL_DIR), engine_indexes=[0, 1])
 
-    def wave(engine: int, queued: float, ttft: float, hits: int) -> None:
-        done = stats.FinishedRequestStats(FinishReason.LENGTH, "r", e2e_latency=2.0, queued_time=queued)
+    def wave(engine: int, queued: float, ttft: float, hits: int, prefill: float = 0.5) -> None:
+        done = stats.FinishedRequestStats(
+            FinishReason.LENGTH, "r", e2e_latency=2.0, queued_time=queued, prefill_time=prefill
+        )
         iteration = stats.IterationStats()
         iteration.finished_requests.append(done)
         iteration.time_to_first_tokens_iter.append(ttft)
@@ -166,14 +168,16 @@ def test_metrics_totals_and_deltas_read_vllms_own_exposition():
 
     wave(0, queued=9.0, ttft=9.0, hits=0)  # before the workload: not in its delta
     before = report.totals(generate_latest(REGISTRY).decode())
-    wave(0, queued=0.25, ttft=1.0, hits=50)
-    wave(1, queued=0.75, ttft=2.0, hits=100)
+    wave(0, queued=0.25, ttft=1.0, hits=50, prefill=0.25)
+    wave(1, queued=0.75, ttft=2.0, hits=100, prefill=0.5)
     after = report.totals(generate_latest(REGISTRY).decode())
     fig = report.lifetime_figures({"client": CLIENT_JSON, "metrics_before": before, "metrics_after": after})
     assert fig["engine_requests"] == 2
     assert fig["engine_queue_ms"] == pytest.approx(500.0) and fig["engine_ttft_ms"] == pytest.approx(1500.0)
     assert fig["prefix_hits"] == pytest.approx(0.75)
     assert fig["front_end_ttft_ms"] == pytest.approx(CLIENT_JSON["mean_ttft_ms"] - 1500.0)
+    # vLLM's TTFT (1.5 s) less its queue (0.5 s) and prefill (0.375 s) timers: the way in and back
+    assert fig["engine_prefill_ms"] == pytest.approx(375.0) and fig["handover_ms"] == pytest.approx(625.0)
 
 
 # The keys `vllm bench serve --save-result` writes that the report reads (vllm/benchmarks/serve.py,
