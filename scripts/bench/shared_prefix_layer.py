@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import common
@@ -132,8 +132,16 @@ def whole_reference(case: dict, decode: bool) -> tuple[Any, Any]:
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> dict[str, float]:
-    """Each side against float64 attention, on a small case (4 requests, 1k shared + 200 private, 48 new)."""
+def reference_errors(
+    cls: type,
+    device: Any,
+    sides: Sequence[str] = SIDES,
+    attention: Callable | None = None,
+    merge: Callable | None = None,
+) -> dict[str, float]:
+    """Each side against float64 attention, on a small case (4 requests, 1k shared + 200 private, 48 new;
+    the decode sides 1 new, the only step the decode path serves). ``attention``, ``merge``: the decode
+    sides' kernels (None: vLLM's, on a GPU)."""
     case = make_case(4, 1024, 200, 48, device, seed=1)
     out = {}
     if "vllm" in sides or "shared" in sides:
@@ -143,9 +151,14 @@ def reference_errors(cls: type, device: Any, sides: Sequence[str] = SIDES) -> di
             o, lse = run()
             out[f"{name}_out_err"] = (o.double() - ref_o.to(o.device)).abs().max().item()
             out[f"{name}_lse_err"] = (lse.double() - ref_l.to(lse.device)).abs().max().item()
+    if any(n in sides for n in DECODE_SIDES):
+        case = make_case(4, 1024, 200, 1, device, seed=1)
     for name in (n for n in DECODE_SIDES if n in sides):
         ref_o, _ = whole_reference(case, decode=True)
-        o = (prepare_absorbed if name == "absorbed" else prepare_shared_absorbed)(case, device)()
+        if name == "absorbed":
+            o = prepare_absorbed(case, device, attention=attention)()
+        else:
+            o = prepare_shared_absorbed(case, device, attention=attention, merge=merge)()
         out[f"{name}_out_err"] = (o.double().view(ref_o.shape) - ref_o.to(o.device)).abs().max().item()
     return out
 
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = args.sides
     cls = backend_class(args.backend)
     accuracy = reference_errors(cls, device, sides)
-    print("against float64 (4 requests, 1k shared + 200 private, 48 new):", accuracy, flush=True)
+    print("against float64 (4 requests, 1k shared + 200 private, 48 new; decode 1):", accuracy, flush=True)
     header = ["N", *(f"{s} ms" for s in sides)]
     if "vllm" in sides and "shared" in sides:
         header += ["ratio", "plan ms", "max|dout|", "max|dlse|"]

@@ -126,6 +126,15 @@ def test_the_shared_decode_candidate_is_each_requests_attention_over_prefix_own_
     assert shared["num_splits"] == 8 and own["num_splits"] == 0  # --shared-splits: the prefix call's only
 
 
+def test_the_decode_sides_accuracy_check_runs_on_a_step_the_path_serves():
+    # The benchmark's float64 check once fed the decode sides 48 new tokens a request, which the path
+    # never serves: every shared_absorbed run stopped there before measuring.
+    attention = lambda **kw: paged_latent_attention([], **kw)  # noqa: E731
+    errors = bench.reference_errors(None, "cpu", ("absorbed", "shared_absorbed"), attention, lse_merge)
+    assert set(errors) == {"absorbed_out_err", "shared_absorbed_out_err"}
+    assert max(errors.values()) < 0.01
+
+
 def test_the_shared_decode_side_measures_only_what_the_path_serves():
     case = bench.make_case(4, 256, 128, 3, "cpu", seed=3)  # three new tokens a request: never served
     with pytest.raises(ValueError, match="one new token"):
