@@ -12,7 +12,8 @@ from scripts.gpu_harness import scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
-MAX_BYTES = 2_000_000
+# Room for the GPU verdicts' recorded scenarios (about 240 kB a run, xz), which replay on any CPU.
+MAX_BYTES = 2_500_000
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # "results/..." in a doc, also as "docs/results/..." or "$REPO/docs/results/...": always under docs/.
@@ -41,7 +42,7 @@ def test_citations_are_read_in_every_form_the_docs_use():
     ]
 
 
-def test_docs_results_stays_under_2_mb():
+def test_docs_results_stays_under_2_5_mb():
     files = [p for p in RESULTS.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     largest = sorted(files, key=lambda p: p.stat().st_size)[-5:]
