@@ -33,6 +33,11 @@
 #                                                       # installed), the path on and off, stock's lifetimes, a
 #                                                       # mutant; one engine per GPU at a time; the verdicts; the
 #                                                       # records packed as OUT/tp2-scenarios.tar.gz
+#   bash scripts/gpu_shared_prefix_suite.sh OUT profile  # eager (COMPILED=1: compiled): where a step's time goes
+#                                                       # (host, GPU busy, kernel groups) under vLLM's torch
+#                                                       # profiler, stock against the path's decode rows over a
+#                                                       # shared 32k prefix, and the path's prefill (TRACES=DIR:
+#                                                       # where the traces go, default /tmp/mla-traces)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
 #                                                       # absorbed (the router's calibration)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
@@ -45,8 +50,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md ("Shared-prefix engine").
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|layer|memory}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|layer|memory}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|layer|memory}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|layer|memory}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -184,6 +189,22 @@ memory)
   rc=$?
   grep -v "WARNING\|INFO" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -12
   grep "KV cache memory\|Available\|profil" "$out/memory-${SIDE:-FLASH_ATTN}.log" | tail -4
+  ;;
+profile)
+  # Traces outside OUT (tens of MB); the summaries are in the JSON. COMPILED=1: compiled, CUDA graphs.
+  traces=${TRACES:-/tmp/mla-traces}
+  eager=--eager
+  [[ ${COMPILED:-0} == 1 ]] && eager=
+  stamp "where a step's time goes: decode rows over a shared 32k prefix, stock and the path's decode ($eager)"
+  "$python" -m scripts.bench shared_prefix_engine $eager --sides stock,FLASH_ATTN:decode --scenarios decode \
+    --decode-prefix-len 32768 --decode-points 64x32 --decode-tokens 64 --reps 1 --profile "$traces/decode" \
+    --profile-steps 8:16 --json "$out/profile-decode.json" >"$out/profile-decode.log" 2>&1
+  rc=$?
+  stamp "the same for a shared 32k prefix's prefill, 16 x 512 (stock, the path)"
+  "$python" -m scripts.bench shared_prefix_engine $eager --sides stock,FLASH_ATTN --scenarios shared \
+    --prefix-lens 32768 --points 16x512 --reps 1 --profile "$traces/prefill" --profile-steps 0:4 \
+    --json "$out/profile-prefill.json" >"$out/profile-prefill.log" 2>&1 || rc=1
+  grep -h "^| " "$out"/profile-*.log | grep -v "^| scenario\|^| point" | tail -20
   ;;
 layer)
   stamp "one layer: vLLM's plan, shared, absorbed"

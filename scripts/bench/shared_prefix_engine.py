@@ -4,6 +4,7 @@
         [--scenarios shared,private,fresh,decode] [--prefix-lens 32768,8192]
         [--points 16x32,16x128,16x512,8x1024,4x2048] [--reps 5] [--eager] [--gpu-mem 0.28]
         [--max-model-len 40960] [--max-num-batched-tokens 8192] [--stop-after S] [--json out.json]
+        [--profile DIR [--profile-steps DELAY:COUNT]]
 
 Sides, all alive at once in this driver process on one GPU (start-up and checks as in ``engine``):
 ``stock``, ``NAME``, ``NAME:noshare``, ``NAME:gather[MS]``, ``NAME:nogather``, another lifetime of one
@@ -13,7 +14,9 @@ caching on, the 61-layer R1 slice (dummy weights), compiled unless ``--eager``. 
 point on every side in a rotating order, one untimed first; per point each side's median seconds and
 paired ratio to ``--baseline``, the comparisons against every stock lifetime and of each pause side with
 its host, the path's counters per call and each worker's memory peak. ``--json`` is rewritten after every
-repetition. What it measures, the scenarios and the results: docs/benchmarks.md.
+repetition. ``--profile DIR``: then one more call per point and side under vLLM's torch profiler
+(``DELAY:COUNT`` worker steps skipped, then recorded), traces in ``DIR/SIDE/``, where each step's time
+goes per side (``step_profile``). What it measures, the scenarios and the results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common, engine
+from . import common, engine, step_profile
 from . import shared_prefix_workload as workload
 from .shared_prefix_table import Raw, cache_notes, comparison_lines, comparisons, markdown, tabulate
 from .shared_prefix_workload import SHARED_PREFIX_ENV, Point, SideSpec
@@ -172,6 +175,33 @@ def check_switch(side: SideSpec, info: dict[str, Any]) -> None:
                 )
 
 
+def profile_calls(
+    points: Sequence[Point],
+    labels: Sequence[str],
+    folders: dict[str, Path],
+    engines: dict[str, Any],
+    timed: Callable[[str, list[list[int]], Point, int], Timed],
+    vocab: int,
+    rep: int,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """One more call per point and side (fresh prompts of repetition ``rep``) under the side's profiler;
+    where each kind of worker step spends its time, per "side point"."""
+    out = {}
+    for point in points:
+        prompts = workload.timed_prompts(point, rep, vocab)
+        for side in labels:
+            before = set(step_profile.traces_in(folders[side]))
+            engines[side].start_profile()
+            timed(side, prompts, point, rep)
+            engines[side].stop_profile()  # returns once the workers have written their traces
+            new = sorted(set(step_profile.traces_in(folders[side])) - before)
+            if not new:
+                raise SystemExit(f"side {side}: the profiler wrote no trace into {folders[side]}")
+            steps = [s for f in new for s in step_profile.steps_of(step_profile.read_trace(f))]
+            out[f"{side} {point.key}"] = step_profile.summarize(steps)
+    return out
+
+
 def make_parser():
     parser = common.parser(__doc__)
     parser.add_argument("--model", type=Path, default=engine.MODEL_DIR, help="model folder (config.json)")
@@ -194,7 +224,28 @@ def make_parser():
     stop = "seconds from the start: no repetition begins that would end later (by the last one's time)"
     parser.add_argument("--stop-after", type=float, help=stop)
     parser.add_argument("--json", help="write the raw results and the table here")
+    profile = "then one call per point and side under vLLM's torch profiler, traces here (a folder a side)"
+    parser.add_argument("--profile", type=Path, help=profile)
+    parser.add_argument("--profile-steps", default="0:16", help="--profile: worker steps skipped:recorded")
     return parser
+
+
+def profile_steps(text: str) -> tuple[int, int]:
+    """``DELAY:COUNT``: worker steps a profiled call skips, then records (a ValueError says what is wrong)."""
+    delay, _, count = text.partition(":")
+    try:
+        steps = int(delay), int(count)
+    except ValueError:
+        raise ValueError(f"--profile-steps {text!r}: DELAY:COUNT, two whole numbers") from None
+    if steps[0] < 0 or steps[1] < 1:
+        raise ValueError(f"--profile-steps {text!r}: DELAY >= 0 steps skipped, COUNT >= 1 recorded")
+    return steps
+
+
+def profiler_options(folder: Path, steps: tuple[int, int]) -> dict[str, Any]:
+    """``LLM`` arguments for vLLM's torch profiler writing one engine's traces into ``folder``."""
+    config = dict(profiler="torch", torch_profiler_dir=str(folder.resolve()), torch_profiler_with_stack=False)
+    return {"profiler_config": {**config, "delay_iterations": steps[0], "max_iterations": steps[1]}}
 
 
 def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:
@@ -213,6 +264,10 @@ def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:
     workload.check_fits(points, args.max_model_len)
     if args.baseline not in [s.label for s in sides]:
         raise ValueError(f"--baseline {args.baseline!r} is not one of the sides {args.sides!r}")
+    if args.profile is not None:
+        profile_steps(args.profile_steps)
+        if shared := [s.label for s in sides if s.engine is not None]:
+            raise ValueError(f"--profile: sides {shared} run in another side's engine (one profiler each)")
     return sides, points
 
 
@@ -233,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     own, info = {}, {}  # the engines started, by the label of the side that owns each
+    folders = {s.label: args.profile / s.label.replace(":", "-") for s in sides} if args.profile else {}
     for side in sides:
         if side.engine is None:
+            options = {"enable_prefix_caching": True}
+            if folders:
+                options |= profiler_options(folders[side.label], profile_steps(args.profile_steps))
             own[side.label], info[side.label] = engine.start_engine(
-                side.backend, args, extra_env=side.extra_env, name=side.label, enable_prefix_caching=True
+                side.backend, args, extra_env=side.extra_env, name=side.label, **options
             )
             check_switch(side, info[side.label])
     engines = {s.label: own[s.engine or s.label] for s in sides}  # a pause side: its host's engine
@@ -310,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = cache_notes(table)
     # Against every stock lifetime (two or more), each pause side against its host.
     compared = comparisons(raw["seconds"], header["sides"])
+    # The profiled calls' records in path_steps have rep = reps + 1.
+    profiled = profile_calls(points, labels, folders, engines, timed, vocab, args.reps + 1) if folders else {}
     for label in own:  # the path as the add-on sets it again, before the last reports
         set_pause(label, ())
     # Whether the path ran at all: each engine's workers' counters (steps with shared segments,
@@ -324,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     if compared_lines := comparison_lines(compared):
         print("\n".join(compared_lines), flush=True)
     results = dict(table=table, markdown=lines, notes=notes, **compared, engines_after=after)
+    if profiled:
+        print("\n".join(step_profile.profile_lines(profiled)), flush=True)
+        results["profile"] = profiled
     common.write_json(args.json, {**header, **raw, **results, "path_steps": path_steps, "memory": memory})
     return 0
 

@@ -1,0 +1,185 @@
+"""Where a worker step's time goes, from the traces of vLLM's own torch profiler.
+
+    python -m scripts.bench step_profile TRACE [TRACE ...] [--label NAME ...] [--json out.json]
+
+TRACE: a worker's trace as vLLM writes it (``profiler_config={"profiler": "torch", "torch_profiler_dir":
+DIR}``, then ``LLM.start_profile()`` ... ``stop_profile()``; ``DIR/*.pt.trace.json.gz``), or a folder of
+them; ``shared_prefix_engine --profile DIR`` makes one folder per side. Each worker step is the span vLLM
+annotates as ``execute_context_C(c)_generation_G(g)`` (C requests with c new tokens in prefill, G
+decoding): its host time is that span; its GPU work is every kernel, copy and set launched inside it
+(linked by the trace's correlation ids, so work the GPU runs after the host has moved on still counts
+for its step). Per kind of step (decode: no prefill request; prefill: no decoding one; mixed) the
+median step: host ms, GPU busy ms (the union of its kernels' intervals), the GPU's idle share between
+its first and last kernel, and GPU ms per group of kernels (attention, merge, GEMM, MoE, copies,
+other). A step whose host time exceeds its GPU busy time by far is bound by the host (Python, launches);
+one whose GPU is busy throughout is bound by its kernels. The profiler's own overhead lengthens host
+time on every side alike: compare sides profiled the same way, not a profiled step with a timed one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from . import common
+
+STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
+# First match wins: vLLM's merge kernel names "attn" too, FA3's combine kernel is attention's.
+GROUPS = (
+    ("merge", re.compile(r"merge_attn_states", re.I)),
+    ("attention", re.compile(r"flash|fmha|mla|attn|attention", re.I)),
+    ("moe", re.compile(r"moe|expert", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul", re.I)),
+    ("copies", re.compile(r"^Memcpy|^Memset|copy", re.I)),
+)
+GROUP_NAMES = (*(name for name, _ in GROUPS), "other")
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+
+
+class Step(NamedTuple):
+    kind: str  # decode, prefill or mixed
+    host_ms: float
+    gpu_busy_ms: float
+    gpu_span_ms: float  # first kernel's start to last kernel's end
+    groups_ms: dict[str, float]
+    launches: int
+
+
+def group_of(kernel: str) -> str:
+    return next((name for name, pattern in GROUPS if pattern.search(kernel)), "other")
+
+
+def step_kind(ctx_requests: int, gen_requests: int) -> str:
+    if ctx_requests == 0:
+        return "decode" if gen_requests else "empty"
+    return "prefill" if gen_requests == 0 else "mixed"
+
+
+def busy_ms(intervals: Iterable[tuple[float, float]]) -> float:
+    """The union's length of ``(start, end)`` intervals in microseconds, in ms."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1000
+
+
+def steps_of(trace: dict[str, Any]) -> list[Step]:
+    """Every annotated worker step of one trace, in order."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    launches = sorted(
+        (e["ts"], e["args"]["correlation"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    )
+    gpu = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in GPU_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    steps = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e.get("cat") != "user_annotation" or not (m := STEP.match(e.get("name", ""))):
+            continue
+        begin, end = e["ts"], e["ts"] + e["dur"]
+        first = bisect.bisect_left(launches, (begin,))
+        launched = [c for _, c in launches[first : bisect.bisect_right(launches, (end, float("inf")))]]
+        kernels = [gpu[c] for c in launched if c in gpu]
+        groups = dict.fromkeys(GROUP_NAMES, 0.0)
+        for k in kernels:
+            groups[group_of(k["name"])] += k["dur"] / 1000
+        spans = [(k["ts"], k["ts"] + k["dur"]) for k in kernels]
+        span = (max(s for _, s in spans) - min(s for s, _ in spans)) / 1000 if spans else 0.0
+        kind = step_kind(int(m.group(1)), int(m.group(3)))
+        steps.append(Step(kind, e["dur"] / 1000, busy_ms(spans), span, groups, len(launched)))
+    return steps
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def traces_in(folder: Path) -> list[Path]:
+    """The traces in a folder (vLLM's ``*.pt.trace.json[.gz]``; none if the folder is not there)."""
+    return sorted([*folder.glob("*.json.gz"), *folder.glob("*.json")])
+
+
+def trace_files(path: Path) -> list[Path]:
+    """A trace file, or the traces in a folder."""
+    if path.is_dir():
+        if not (found := traces_in(path)):
+            raise FileNotFoundError(f"{path}: no trace (*.json, *.json.gz) in it")
+        return found
+    return [path]
+
+
+def summarize(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
+    """Per kind of step: how many, and the median of each measure over them."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted({s.kind for s in steps}):
+        mine = [s for s in steps if s.kind == kind]
+        host = statistics.median(s.host_ms for s in mine)
+        busy = statistics.median(s.gpu_busy_ms for s in mine)
+        span = statistics.median(s.gpu_span_ms for s in mine)
+        out[kind] = dict(
+            steps=len(mine),
+            host_ms=host,
+            gpu_busy_ms=busy,
+            gpu_idle_share=1 - busy / span if span else None,
+            launches=statistics.median(s.launches for s in mine),
+            groups_ms={g: statistics.median(s.groups_ms[g] for s in mine) for g in GROUP_NAMES},
+        )
+    return out
+
+
+def profile_lines(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """One markdown row per side and kind of step (medians)."""
+    head = ["side", "steps", "n", "host ms", "GPU busy ms", "GPU idle", "launches"]
+    head += [f"{g} ms" for g in GROUP_NAMES]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for side, kinds in summaries.items():
+        for kind, s in kinds.items():
+            idle = "-" if s["gpu_idle_share"] is None else f"{s['gpu_idle_share']:.0%}"
+            cells = [side, kind, str(s["steps"]), f"{s['host_ms']:.2f}", f"{s['gpu_busy_ms']:.2f}", idle]
+            cells += [f"{s['launches']:.0f}", *(f"{s['groups_ms'][g]:.2f}" for g in GROUP_NAMES)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def profile_sides(paths: dict[str, Path]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each side's steps summarized, from its trace or folder of traces (one worker each)."""
+    out = {}
+    for side, path in paths.items():
+        out[side] = summarize([s for f in trace_files(path) for s in steps_of(read_trace(f))])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("traces", nargs="+", type=Path, help="trace files or folders of them, one per side")
+    parser.add_argument("--label", action="append", help="each trace's side, in order (default: its name)")
+    parser.add_argument("--json", help="write the summaries here")
+    args = parser.parse_args(argv)
+    labels = args.label or [p.name for p in args.traces]
+    if len(labels) != len(args.traces):
+        parser.error(f"{len(args.traces)} traces, {len(labels)} labels")
+    summaries = profile_sides(dict(zip(labels, args.traces, strict=True)))
+    print("\n".join(profile_lines(summaries)), flush=True)
+    common.write_json(args.json, {"command": " ".join(sys.argv), "profile": summaries})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
