@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# A fault soak of `vllm serve` (issue 50), one side a call:
+# A fault soak of `vllm serve` (issue 50), one side a call, or all three at once on one GPU:
 #   bash scripts/gpu_fault_soak_suite.sh OUT stock|path
+#   bash scripts/gpu_fault_soak_suite.sh OUT all   # stock, a second stock lifetime and path side by side (their own
+#                                                  # ports, checkpoint copies, GPU_MEM 0.25 each; OUT/stock, OUT/stock-2,
+#                                                  # OUT/path), then the tokens judged (OUT/tokens.txt)
 # The tiny DeepSeek-V2 with sharp attention (scripts/gpu_harness/make_sharp_checkpoint.py, in SHARP_DIR, default
 # ${TMPDIR:-/tmp}/mla-sharp-checkpoint: a wrong attention shows in the tokens), eager, prefix caching, a KV cache of
 # KV_TOKENS (default 16384) tokens so that vLLM preempts. path: the add-on with MLA_PREFILL_BACKEND=FLASH_ATTN (the
@@ -17,12 +20,28 @@
 # DRY_RUN=1: the server's command and the imports, then stop (no GPU needed). PYTHON (default python3); PYTHONPATH
 # is kept. OUT: server.log, client.json, completions.jsonl, metrics-{idle,end}.txt, phases.txt, summary.txt.
 set -u
-out=${1:?usage: gpu_fault_soak_suite.sh OUT stock|path}
-side=${2:?usage: gpu_fault_soak_suite.sh OUT stock|path}
-[[ $side == stock || $side == path ]] || { echo "SIDE is stock or path, not '$side'" >&2; exit 2; }
+out=${1:?usage: gpu_fault_soak_suite.sh OUT stock|path|all}
+side=${2:?usage: gpu_fault_soak_suite.sh OUT stock|path|all}
+[[ $side == stock || $side == path || $side == all ]] || { echo "SIDE is stock, path or all, not '$side'" >&2; exit 2; }
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
+if [[ $side == all ]]; then  # the tiny model and its small KV cache leave room for three servers on one GPU
+  rc=0 pids=()
+  for run in stock:8743 stock-2:8744 path:8745; do
+    name=${run%:*}
+    PORT=${run#*:} GPU_MEM=${GPU_MEM:-0.25} SHARP_DIR=${TMPDIR:-/tmp}/mla-sharp-$name \
+      bash "$0" "$out/$name" "${name%-2}" >"$out/$name.txt" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  tail -n 12 "$out"/stock.txt "$out"/stock-2.txt "$out"/path.txt
+  [[ ${DRY_RUN:-0} == 1 ]] && exit "$rc"
+  "${PYTHON:-python3}" -m scripts.gpu_harness.soak_verdict "$out/stock" "$out/path" "$out/stock-2" \
+    >"$out/tokens.txt" 2>&1 || rc=1
+  cat "$out/tokens.txt"
+  exit "$rc"
+fi
 python=${PYTHON:-python3} port=${PORT:-8743} sharp=${SHARP_DIR:-${TMPDIR:-/tmp}/mla-sharp-checkpoint}
 block=64 max_len=4096
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -33,7 +52,7 @@ else
 fi
 serve=("$python" -m vllm.entrypoints.cli.main serve "$sharp" --served-model-name tiny --port "$port" --host 127.0.0.1
   --skip-tokenizer-init --max-model-len "$max_len" --enforce-eager --enable-prefix-caching --seed 0 --moe-backend triton
-  --gpu-memory-utilization 0.5 --block-size "$block" --num-gpu-blocks-override $((${KV_TOKENS:-16384} / block)))
+  --gpu-memory-utilization "${GPU_MEM:-0.5}" --block-size "$block" --num-gpu-blocks-override $((${KV_TOKENS:-16384} / block)))
 stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/summary.txt"; }
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   echo "${env[*]} ${serve[*]}"

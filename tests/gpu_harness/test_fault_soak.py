@@ -39,6 +39,25 @@ def test_the_dry_run_prints_the_server_and_imports(tmp_path, side):
     assert ("MLA_PREFILL_BACKEND=FLASH_ATTN" in command and "soak_probe" in command) == (side == "path")
 
 
+def test_all_three_sides_run_at_once_each_on_its_own_port_checkpoint_and_share_of_the_gpu(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        ["bash", str(SUITE), str(tmp_path / "out"), "all"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    commands = {name: (tmp_path / "out" / f"{name}.txt").read_text() for name in ("stock", "stock-2", "path")}
+    ports = {name: c.split("--port ")[1].split()[0] for name, c in commands.items()}
+    assert len(set(ports.values())) == 3
+    assert all(
+        f"mla-sharp-{name} " in c and "--gpu-memory-utilization 0.25" in c for name, c in commands.items()
+    )
+    assert "MLA_PREFILL_EXT_DISABLE=1" in commands["stock-2"] and "FLASH_ATTN" in commands["path"]
+
+
 def record(rid: str, tokens: list[int], shift: float = 0.0, sha: str = "p") -> dict:
     """One completed request as the client writes it: clear top-1 (gap 1.0) at every position."""
     logprobs = [-0.1 - shift] * len(tokens)
