@@ -38,6 +38,9 @@
 #                                                       # profiler, stock against the path's decode rows over a
 #                                                       # shared 32k prefix, and the path's prefill (TRACES=DIR:
 #                                                       # where the traces go, default /tmp/mla-traces)
+#   bash scripts/gpu_shared_prefix_suite.sh OUT decode-crossover  # one R1 layer's decode, vLLM's against the
+#                                                       # path's over B x P x S: where the shared call pays
+#                                                       # (SPLITS=N: the prefix call's num_splits)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT layer    # one R1 layer's context part: vLLM's plan, shared,
 #                                                       # absorbed (the router's calibration)
 #   bash scripts/gpu_shared_prefix_suite.sh OUT memory   # one engine at gpu_memory_utilization 0.9 (SIDE=stock
@@ -50,8 +53,8 @@
 # Everything lands in OUT. The full scenario list and the compiled runs: docs/gpu-verification.md and
 # docs/benchmarks.md ("Shared-prefix engine").
 set -u
-out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|layer|memory}
-part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|layer|memory}
+out=${1:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|decode-crossover|layer|memory}
+part=${2:?usage: gpu_shared_prefix_suite.sh OUT bench|bench-compiled|control|pause|parts|lifetimes|parity|decode-parity|tp2|profile|decode-crossover|layer|memory}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -205,6 +208,13 @@ profile)
     --prefix-lens 32768 --points 16x512 --reps 1 --profile "$traces/prefill" --profile-steps 0:4 \
     --json "$out/profile-prefill.json" >"$out/profile-prefill.log" 2>&1 || rc=1
   grep -h "^| " "$out"/profile-*.log | grep -v "^| scenario\|^| point" | tail -20
+  ;;
+decode-crossover)
+  stamp "one layer's decode, vLLM's against the path's, over requests x prefix x private (SPLITS=${SPLITS:-0})"
+  "$python" -m scripts.bench shared_decode_crossover --shared-splits "${SPLITS:-0}" \
+    --json "$out/decode-crossover-${SPLITS:-0}.json" >"$out/decode-crossover-${SPLITS:-0}.log" 2>&1
+  rc=$?
+  tail -8 "$out/decode-crossover-${SPLITS:-0}.log"
   ;;
 layer)
   stamp "one layer: vLLM's plan, shared, absorbed"

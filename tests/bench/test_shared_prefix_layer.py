@@ -290,3 +290,36 @@ def test_the_prediction_decides_as_the_router_does_on_vllms_input_batch(requests
     batch, scheduled = _runner_batch(decode, ctx, new)
     routed = routing.step_threshold(batch, scheduled, SHORT_EXTEND_MAX) == 1
     assert bench.predicted_cost(table, ctx, new)["router_moves"] == routed
+
+
+def test_the_crossover_grid_measures_both_decodes_on_the_same_rows():
+    from scripts.bench import shared_decode_crossover as grid
+
+    attention = lambda **kw: paged_latent_attention([], **kw)  # noqa: E731
+    point = grid.measure(
+        4, 256, 64, "cpu", 1, time_it=lambda run, n: (run(), 2.0)[1], attention=attention, merge=lse_merge
+    )
+    assert (point["requests"], point["prefix"], point["private"], point["ratio"]) == (4, 256, 64, 1.0)
+    assert point["max_out_diff"] < 0.01  # the same attention, summed in two parts
+
+
+def point(b, p, s, ratio):
+    return dict(requests=b, prefix=p, private=s, ratio=ratio)
+
+
+def test_the_crossover_is_the_fewest_requests_from_which_every_point_is_faster():
+    from scripts.bench.shared_decode_crossover import crossover
+
+    points = [
+        point(32, 32768, 0, 1.2),
+        point(32, 32768, 256, 0.9),  # one S loses: not from 32
+        point(64, 32768, 0, 2.1),
+        point(64, 32768, 256, 1.5),
+        point(128, 32768, 0, 2.7),
+        point(128, 32768, 256, 2.6),
+        point(48, 8192, 0, 1.1),
+        point(64, 8192, 0, 0.8),
+        point(96, 8192, 0, 1.3),  # won at 48, lost at 64
+        point(128, 4096, 0, 0.7),
+    ]
+    assert crossover(points) == {4096: None, 8192: 96, 32768: 64}
