@@ -18,6 +18,6 @@ MEASUREMENTS = {
     "serving": "a real `vllm serve` per side, loaded by `vllm bench serve`: TTFT, TPOT, throughput, timers",
     "shared_prefix_layer": "one layer's context attention: vLLM's plan, the shared plan, decode path (GPU)",
     "shared_prefix_engine": "engine time with a shared cached prefix: stock, the add-on, its path off (GPU)",
-    "shared_decode_crossover": "where the shared-prefix decode beats vLLM's, one layer over a (B, P, S) grid (GPU)",
+    "shared_decode_crossover": "where the shared-prefix decode beats vLLM's, one layer, B x P x S (GPU)",
     "step_profile": "where a worker step's time goes (host, GPU, kernel groups), from vLLM's profiler traces",
 }

@@ -6,14 +6,16 @@ TRACE: a worker's trace as vLLM writes it (``profiler_config={"profiler": "torch
 DIR}``, then ``LLM.start_profile()`` ... ``stop_profile()``; ``DIR/*.pt.trace.json.gz``), or a folder of
 them; ``shared_prefix_engine --profile DIR`` makes one folder per side. Each worker step is the span vLLM
 annotates as ``execute_context_C(c)_generation_G(g)`` (C requests with c new tokens in prefill, G
-decoding): its host time is that span; its GPU work is every kernel, copy and set launched inside it
-(linked by the trace's correlation ids, so work the GPU runs after the host has moved on still counts
-for its step). Per kind of step (decode: no prefill request; prefill: no decoding one; mixed) the
-median step: host ms, GPU busy ms (the union of its kernels' intervals), the GPU's idle share between
-its first and last kernel, and GPU ms per group of kernels (attention, merge, GEMM, MoE, copies,
-other). A step whose host time exceeds its GPU busy time by far is bound by the host (Python, launches);
-one whose GPU is busy throughout is bound by its kernels. The profiler's own overhead lengthens host
-time on every side alike: compare sides profiled the same way, not a profiled step with a timed one.
+decoding): its host time is that span; the time since the previous step's span ended is the engine
+core's (scheduling, prefix-cache lookups, output processing: "between"); its GPU work is every kernel,
+copy and set launched inside its span (linked by the trace's correlation ids, so work the GPU runs after
+the host has moved on still counts for its step). Per kind of step (decode: no prefill request; prefill:
+no decoding one; mixed) the median step: host ms, between ms, GPU busy ms (the union of its kernels'
+intervals), the GPU's idle share between its first and last kernel, and GPU ms per group of kernels
+(attention, merge, GEMM, MoE, copies, other). A step whose host time exceeds its GPU busy time by far is
+bound by the host (Python, launches); one whose GPU is busy throughout is bound by its kernels. The
+profiler's own overhead lengthens host time on every side alike: compare sides profiled the same way, not
+a profiled step with a timed one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 class Step(NamedTuple):
     kind: str  # decode, prefill or mixed
     host_ms: float
+    gap_ms: float | None  # host time since the previous step ended: the engine core's (None: the first)
     gpu_busy_ms: float
     gpu_span_ms: float  # first kernel's start to last kernel's end
     groups_ms: dict[str, float]
@@ -87,7 +90,7 @@ def steps_of(trace: dict[str, Any]) -> list[Step]:
         for e in events
         if e.get("cat") in GPU_CATEGORIES and "correlation" in e.get("args", {})
     }
-    steps = []
+    steps, last_end = [], None
     for e in sorted(events, key=lambda e: e["ts"]):
         if e.get("cat") != "user_annotation" or not (m := STEP.match(e.get("name", ""))):
             continue
@@ -101,7 +104,9 @@ def steps_of(trace: dict[str, Any]) -> list[Step]:
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in kernels]
         span = (max(s for _, s in spans) - min(s for s, _ in spans)) / 1000 if spans else 0.0
         kind = step_kind(int(m.group(1)), int(m.group(3)))
-        steps.append(Step(kind, e["dur"] / 1000, busy_ms(spans), span, groups, len(launched)))
+        gap = None if last_end is None else (begin - last_end) / 1000
+        steps.append(Step(kind, e["dur"] / 1000, gap, busy_ms(spans), span, groups, len(launched)))
+        last_end = end
     return steps
 
 
@@ -131,11 +136,13 @@ def summarize(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
     for kind in sorted({s.kind for s in steps}):
         mine = [s for s in steps if s.kind == kind]
         host = statistics.median(s.host_ms for s in mine)
+        gaps = [s.gap_ms for s in mine if s.gap_ms is not None]
         busy = statistics.median(s.gpu_busy_ms for s in mine)
         span = statistics.median(s.gpu_span_ms for s in mine)
         out[kind] = dict(
             steps=len(mine),
             host_ms=host,
+            gap_ms=statistics.median(gaps) if gaps else None,
             gpu_busy_ms=busy,
             gpu_idle_share=1 - busy / span if span else None,
             launches=statistics.median(s.launches for s in mine),
@@ -146,13 +153,14 @@ def summarize(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
 
 def profile_lines(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """One markdown row per side and kind of step (medians)."""
-    head = ["side", "steps", "n", "host ms", "GPU busy ms", "GPU idle", "launches"]
+    head = ["side", "steps", "n", "host ms", "between ms", "GPU busy ms", "GPU idle", "launches"]
     head += [f"{g} ms" for g in GROUP_NAMES]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for side, kinds in summaries.items():
         for kind, s in kinds.items():
             idle = "-" if s["gpu_idle_share"] is None else f"{s['gpu_idle_share']:.0%}"
-            cells = [side, kind, str(s["steps"]), f"{s['host_ms']:.2f}", f"{s['gpu_busy_ms']:.2f}", idle]
+            gap = "-" if s["gap_ms"] is None else f"{s['gap_ms']:.2f}"
+            cells = [side, kind, str(s["steps"]), f"{s['host_ms']:.2f}", gap, f"{s['gpu_busy_ms']:.2f}", idle]
             cells += [f"{s['launches']:.0f}", *(f"{s['groups_ms'][g]:.2f}" for g in GROUP_NAMES)]
             lines.append("| " + " | ".join(cells) + " |")
     return lines

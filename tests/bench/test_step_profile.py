@@ -29,11 +29,12 @@ def test_steps_are_read_from_a_real_torch_profiler_trace(tmp_path):
     steps = step_profile.steps_of(step_profile.read_trace(gz))
     assert [s.kind for s in steps] == ["prefill", "decode", "decode", "mixed"]
     assert all(s.host_ms > 0 and s.gpu_busy_ms == 0 and s.launches == 0 for s in steps)  # no GPU here
+    assert steps[0].gap_ms is None and all(s.gap_ms >= 0 for s in steps[1:])
     summary = step_profile.profile_sides({"stock": tmp_path})["stock"]  # a folder: both copies read
     assert summary["decode"]["steps"] == 4 and summary["prefill"]["steps"] == 2
 
 
-def trace_with_kernels() -> dict:
+def trace_with_kernels(next_step: bool = False) -> dict:
     """The events a CUDA trace holds for one step, in the format torch writes (kernel records come from
     CUPTI, only on a GPU): the step's host span 0-1000 us, two launches in it, one after it."""
 
@@ -52,16 +53,18 @@ def trace_with_kernels() -> dict:
             event("kernel", "void vllm::merge_attn_states_kernel<bf16>(...)", 1100, 100, 2),
             event("kernel", "nvjet_tst_128x64_64x4_gemm", 1300, 50, 3),
             event("gpu_user_annotation", DECODE, 500, 700),  # GPU-side copy of the annotation
+            *([event("user_annotation", DECODE, 1150, 400)] if next_step else []),  # 150 us after the first
         ]
     }
 
 
 def test_a_steps_gpu_work_is_what_it_launched_grouped_by_kernel():
-    (step,) = step_profile.steps_of(trace_with_kernels())
-    assert step.kind == "decode" and step.host_ms == 1.0 and step.launches == 2
+    step, after = step_profile.steps_of(trace_with_kernels(next_step=True))
+    assert step.kind == "decode" and step.host_ms == 1.0 and step.launches == 2 and step.gap_ms is None
     assert step.groups_ms["attention"] == pytest.approx(0.3)
     assert step.groups_ms["merge"] == pytest.approx(0.1)  # vLLM's merge names "attn" too
     assert step.groups_ms["gemm"] == 0  # launched by the next step
+    assert after.groups_ms["gemm"] == pytest.approx(0.05) and after.gap_ms == pytest.approx(0.15)
     assert step.gpu_busy_ms == pytest.approx(0.4) and step.gpu_span_ms == pytest.approx(0.7)
     summary = step_profile.summarize([step])["decode"]
     assert summary["gpu_idle_share"] == pytest.approx(1 - 0.4 / 0.7)
@@ -90,8 +93,8 @@ def test_kernel_groups(kernel, group):
 def test_the_report_has_a_row_per_side_and_kind():
     summaries = {"stock": step_profile.summarize(step_profile.steps_of(trace_with_kernels()))}
     lines = step_profile.profile_lines(summaries)
-    assert lines[0].startswith("| side | steps | n | host ms | GPU busy ms | GPU idle |")
-    assert lines[2].startswith("| stock | decode | 1 | 1.00 | 0.40 | 43% | 2 |")
+    assert lines[0].startswith("| side | steps | n | host ms | between ms | GPU busy ms | GPU idle |")
+    assert lines[2].startswith("| stock | decode | 1 | 1.00 | - | 0.40 | 43% | 2 |")
 
 
 def test_the_cli_reads_a_trace_and_writes_its_summary(tmp_path, capsys):
