@@ -11,7 +11,8 @@
 # Each part: SIDES (default stock,FLASH_ATTN), each LIFETIMES times (default 2), interleaved, each lifetime a
 # fresh `vllm serve` of the R1 slice (dummy weights, prefix caching, max_num_batched_tokens 8192), compiled with
 # CUDA graphs (EAGER=1: --enforce-eager); lifetimes that BUDGET (default 560 s) cannot hold are skipped and say
-# so. GPU_MEM: gpu_memory_utilization (default 0.5). The caches (vLLM's, Triton's, FlashInfer's) stay in CACHES
+# so. GPU_MEM: gpu_memory_utilization (default 0.5). PROFILE=1: each workload a third time under vLLM's torch
+# profiler, its worker steps summarized (traces in the lifetime's folder under OUT/servers-PART). The caches (vLLM's, Triton's, FlashInfer's) stay in CACHES
 # (default ${TMPDIR:-/tmp}/serving-caches) for the next part on the same host. OUT/serving-PART.{json,md,log}, OUT/serving-PART-sweep.png (sweeps), OUT/servers-PART/: each
 # lifetime's server log and its client runs' logs and result JSON.
 set -u
@@ -29,6 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvid
 echo "[$(date +%H:%M:%S)] serving: $part"
 mode=()
 [[ ${EAGER:-0} == 1 ]] && mode=(--eager)
+[[ ${PROFILE:-0} == 1 ]] && mode+=(--profile)
 "$python" -m scripts.bench serving --sides "${SIDES:-stock,FLASH_ATTN}" --lifetimes "${LIFETIMES:-2}" \
   --workloads "$part" "${mode[@]}" ${GPU_MEM:+--gpu-mem "$GPU_MEM"} --deadline "$deadline" \
   --cache-root "${CACHES:-${TMPDIR:-/tmp}/serving-caches}" --logs "$out/servers-${part//,/+}" \

@@ -2,9 +2,13 @@
 
     python -m scripts.bench serving [--sides stock,FLASH_ATTN] [--workloads bursts-32k] [--lifetimes 2]
         [--max-num-batched-tokens 8192] [--eager] [--seed 0] [--json X.json] [--cache-root DIR] [--deadline T]
+        [--profile]
 
 Per lifetime and workload, an untimed `vllm bench serve` run, then the timed one between two scrapes of
-/metrics; the sides' lifetimes interleave. X.json, X.md, X-sweep.png after each. docs/benchmarks.md: Serving.
+/metrics; the sides' lifetimes interleave. X.json, X.md, X-sweep.png after each. ``--profile``: each server
+runs vLLM's torch profiler (``--profiler-config``), and a third run of each workload, with the client's
+``--profile``, is recorded and summarized per kind of worker step (``step_profile``: host, engine core
+between steps, GPU by kernel group). docs/benchmarks.md: Serving.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import common, serving_report
+from . import common, serving_report, step_profile
 from . import sides as runner
 from .engine import MODEL_DIR
 from .serving_workloads import Workload, build_tokenizer, client_command, select
@@ -30,13 +34,21 @@ MIN_LIFETIME_S = 120.0  # a lifetime given less than this before --deadline is s
 SELECTED = re.compile(r"Using (\S+) MLA prefill backend \((?:from|auto-selected|mla-prefill-ext)")
 
 
-def serve_command(args: Any) -> list[str]:
-    """The server's command line (the environment selects the side)."""
+def serve_command(args: Any, traces: Path | None = None) -> list[str]:
+    """The server's command line (the environment selects the side; ``traces``: vLLM's torch profiler
+    writes there, when the client asks)."""
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL_DIR), "--tokenizer"]
     command += [str(args.tokenizer), "--served-model-name", SERVED_NAME, "--port", str(args.port)]
     command += "--host 127.0.0.1 --load-format dummy --enable-prefix-caching --moe-backend triton".split()
     command += ["--max-model-len", "40960", "--gpu-memory-utilization", str(args.gpu_mem)]
     command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0"]
+    if traces is not None:
+        config = {
+            "profiler": "torch",
+            "torch_profiler_dir": str(traces.resolve()),
+            "torch_profiler_with_stack": False,
+        }
+        command += ["--profiler-config", json.dumps(config)]
     return command + ["--enforce-eager"] * args.eager
 
 
@@ -62,7 +74,22 @@ def run_workload(args: Any, w: Workload, seed: int, folder: Path, env: dict, dea
         if rc != 0:
             return {**out, "error": f"client {'out of time' if rc is None else rc}, see {folder / name}.log"}
     out.update(metrics_after=scrape(args.base), client=json.loads((folder / f"{w.name}.json").read_text()))
-    return {**out, "error": f"{out['client']['failed']} requests failed"} if out["client"]["failed"] else out
+    if out["client"]["failed"]:
+        return {**out, "error": f"{out['client']['failed']} requests failed"}
+    if args.profile:  # a third run under the server's profiler, outside the figures
+        traces, name = folder / "traces", f"{w.name}-profiled"
+        before = set(step_profile.traces_in(traces))
+        command = client_command(
+            args.port, SERVED_NAME, args.tokenizer, seed, w.flags, folder / f"{name}.json"
+        )
+        rc = runner.run_child(
+            [*command, "--profile"], env, folder / f"{name}.log", max(deadline - time.time(), 1)
+        )
+        new = sorted(set(step_profile.traces_in(traces)) - before)
+        if rc != 0 or not new:
+            return {**out, "error": f"profiled run: client {rc}, {len(new)} traces, see {folder / name}.log"}
+        out["profile"] = step_profile.summarize_files(new)
+    return out
 
 
 def run_lifetime(args: Any, side: runner.Side, n: int, workloads: list[Workload]) -> dict:
@@ -75,7 +102,8 @@ def run_lifetime(args: Any, side: runner.Side, n: int, workloads: list[Workload]
     env = runner.process_env(side, args.cache_root / "flashinfer", args.cache_root)
     log, started = folder / "server.log", time.time()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(serve_command(args), env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        command = serve_command(args, folder / "traces" if args.profile else None)
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None and time.time() < started + limit and "up_s" not in life:
                 with contextlib.suppress(OSError):  # refused, reset, timed out, an error status: not up
@@ -108,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0, help="the first workload's --seed (the next: +1, ...)")
     parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--profile", action="store_true", help="a third run of each workload, profiled")
     runner.add_side_arguments(parser, side_timeout=1800.0, what_logs="server's and clients'")
     args = parser.parse_args(argv)
     try:
@@ -132,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 rates = {w.name: w.rate for w in workloads if w.name.startswith("sweep")}
                 serving_report.plot_sweep(rows, rates, out.with_name(f"{out.stem}-sweep.png"))
     print("\n".join(serving_report.markdown(rows)), flush=True)
+    profiles = {
+        f"{life['side']} #{life['lifetime']} {name}": done["profile"]
+        for life in run["lifetimes"]
+        for name, done in life["workloads"].items()
+        if "profile" in done
+    }
+    if profiles:
+        print("\n".join(step_profile.profile_lines(profiles)), flush=True)
     return 0 if all(life["ok"] for life in run["lifetimes"]) else 1
 
 

@@ -197,8 +197,7 @@ def profile_calls(
             new = sorted(set(step_profile.traces_in(folders[side])) - before)
             if not new:
                 raise SystemExit(f"side {side}: the profiler wrote no trace into {folders[side]}")
-            steps = [s for f in new for s in step_profile.steps_of(step_profile.read_trace(f))]
-            out[f"{side} {point.key}"] = step_profile.summarize(steps)
+            out[f"{side} {point.key}"] = step_profile.summarize_files(new)
     return out
 
 

@@ -151,6 +151,11 @@ def summarize(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def summarize_files(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` over the steps of these traces (one worker's, or several workers' alike)."""
+    return summarize([s for path in paths for s in steps_of(read_trace(path))])
+
+
 def profile_lines(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """One markdown row per side and kind of step (medians)."""
     head = ["side", "steps", "n", "host ms", "between ms", "GPU busy ms", "GPU idle", "launches"]
@@ -168,10 +173,7 @@ def profile_lines(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 
 def profile_sides(paths: dict[str, Path]) -> dict[str, dict[str, dict[str, Any]]]:
     """Each side's steps summarized, from its trace or folder of traces (one worker each)."""
-    out = {}
-    for side, path in paths.items():
-        out[side] = summarize([s for f in trace_files(path) for s in steps_of(read_trace(f))])
-    return out
+    return {side: summarize_files(trace_files(path)) for side, path in paths.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ class Endpoint:
     def __init__(self, tokenizer_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer_dir, self.prompts = tokenizer_dir, []
+        self.tokenizer_dir, self.prompts, self.profiling = tokenizer_dir, [], []
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -75,8 +75,14 @@ class Endpoint:
             await response.write(b"data: [DONE]\n\n")
             return response
 
+        async def profile(request: web.Request) -> web.Response:  # vLLM's /start_profile, /stop_profile
+            self.profiling.append(request.path)
+            return web.Response()
+
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/start_profile", profile)
+        app.router.add_post("/stop_profile", profile)
         runner = web.AppRunner(app)
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(runner.setup())
@@ -263,3 +269,24 @@ def test_the_sweep_plot_draws_the_ratio_against_the_rate(tmp_path):
     assert report.plot_sweep(rows, rates, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert not report.plot_sweep([r for r in rows if r["side"] == "stock"], rates, tmp_path / "none.png")
+
+
+def test_a_profiled_run_asks_the_server_to_profile_around_the_workload(endpoint, tmp_path):
+    endpoint.profiling.clear()
+    run = run_client(endpoint, tmp_path, "profiled", (*BURST.flags, "--profile"))
+    assert endpoint.profiling == ["/start_profile", "/stop_profile"]
+    assert len(run["prompts"]) == 6
+
+
+def test_the_server_profiles_with_vllms_own_profiler_config(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm.config import ProfilerConfig
+
+    from scripts.bench import serving
+
+    args = SimpleNamespace(tokenizer=tmp_path, port=1, gpu_mem=0.5, max_num_batched_tokens=8192, eager=False)
+    assert "--profiler-config" not in serving.serve_command(args)
+    command = serving.serve_command(args, tmp_path / "traces")
+    config = ProfilerConfig(**json.loads(command[command.index("--profiler-config") + 1]))
+    assert config.profiler == "torch" and config.torch_profiler_dir == str((tmp_path / "traces").resolve())
