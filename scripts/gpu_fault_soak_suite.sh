@@ -2,8 +2,9 @@
 # A fault soak of `vllm serve` (issue 50), one side a call, or all three at once on one GPU:
 #   bash scripts/gpu_fault_soak_suite.sh OUT stock|path
 #   bash scripts/gpu_fault_soak_suite.sh OUT all   # stock, a second stock lifetime and path side by side (their own
-#                                                  # ports, checkpoint copies, GPU_MEM 0.25 each; OUT/stock, OUT/stock-2,
-#                                                  # OUT/path), then the tokens judged (OUT/tokens.txt)
+#                                                  # ports, checkpoint copies, GPU_MEM 0.25 each, each started once
+#                                                  # the one before is up; OUT/stock, OUT/stock-2, OUT/path), then the
+#                                                  # tokens judged (OUT/tokens.txt); in one 10-minute call: DURATION_S=420
 # The tiny DeepSeek-V2 with sharp attention (scripts/gpu_harness/make_sharp_checkpoint.py, in SHARP_DIR, default
 # ${TMPDIR:-/tmp}/mla-sharp-checkpoint: a wrong attention shows in the tokens), eager, prefix caching, a KV cache of
 # KV_TOKENS (default 16384) tokens so that vLLM preempts. path: the add-on with MLA_PREFILL_BACKEND=FLASH_ATTN (the
@@ -25,14 +26,21 @@ side=${2:?usage: gpu_fault_soak_suite.sh OUT stock|path|all}
 [[ $side == stock || $side == path || $side == all ]] || { echo "SIDE is stock, path or all, not '$side'" >&2; exit 2; }
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
 if [[ $side == all ]]; then  # the tiny model and its small KV cache leave room for three servers on one GPU
   rc=0 pids=()
   for run in stock:8743 stock-2:8744 path:8745; do
     name=${run%:*}
     PORT=${run#*:} GPU_MEM=${GPU_MEM:-0.25} SHARP_DIR=${TMPDIR:-/tmp}/mla-sharp-$name \
-      bash "$0" "$out/$name" "${name%-2}" >"$out/$name.txt" 2>&1 &
+      bash "$self" "$out/$name" "${name%-2}" >"$out/$name.txt" 2>&1 &
     pids+=($!)
+    # The next server starts once this one is up: vLLM measures free memory while it starts.
+    for ((i = 0; i < ${START_S:-300}; i++)); do
+      grep -q "warm-up\|FAIL" "$out/$name/summary.txt" 2>/dev/null && break
+      kill -0 "$!" 2>/dev/null || break
+      sleep 1
+    done
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   tail -n 12 "$out"/stock.txt "$out"/stock-2.txt "$out"/path.txt

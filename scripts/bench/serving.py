@@ -30,6 +30,7 @@ from .engine import MODEL_DIR
 from .serving_workloads import Workload, build_tokenizer, client_command, select
 
 SERVED_NAME = "r1-slice"
+PROFILED_SEED = 1000  # the profiled runs' seeds: the workload's + this (prompts no other run sent)
 MIN_LIFETIME_S = 120.0  # a lifetime given less than this before --deadline is skipped, not started
 SELECTED = re.compile(r"Using (\S+) MLA prefill backend \((?:from|auto-selected|mla-prefill-ext)")
 
@@ -47,6 +48,7 @@ def serve_command(args: Any, traces: Path | None = None) -> list[str]:
             "profiler": "torch",
             "torch_profiler_dir": str(traces.resolve()),
             "torch_profiler_with_stack": False,
+            "ignore_frontend": True,  # the workers' traces only (0.34's API server would write its own)
         }
         command += ["--profiler-config", json.dumps(config)]
     return command + ["--enforce-eager"] * args.eager
@@ -76,20 +78,30 @@ def run_workload(args: Any, w: Workload, seed: int, folder: Path, env: dict, dea
     out.update(metrics_after=scrape(args.base), client=json.loads((folder / f"{w.name}.json").read_text()))
     if out["client"]["failed"]:
         return {**out, "error": f"{out['client']['failed']} requests failed"}
-    if args.profile:  # a third run under the server's profiler, outside the figures
-        traces, name = folder / "traces", f"{w.name}-profiled"
-        before = set(step_profile.traces_in(traces))
-        command = client_command(
-            args.port, SERVED_NAME, args.tokenizer, seed, w.flags, folder / f"{name}.json"
-        )
-        rc = runner.run_child(
-            [*command, "--profile"], env, folder / f"{name}.log", max(deadline - time.time(), 1)
-        )
-        new = sorted(set(step_profile.traces_in(traces)) - before)
-        if rc != 0 or not new:
-            return {**out, "error": f"profiled run: client {rc}, {len(new)} traces, see {folder / name}.log"}
-        out["profile"] = step_profile.summarize_files(new)
+    if args.profile:
+        profiled = profile_workload(args, w, seed + PROFILED_SEED, folder, env, deadline)
+        out["profile" if isinstance(profiled, dict) else "error"] = profiled
     return out
+
+
+def profile_workload(
+    args: Any, w: Workload, seed: int, folder: Path, env: dict, deadline: float
+) -> dict[str, Any] | str:
+    """The workload once more, outside the figures, under the server's profiler (the client's --profile),
+    at a seed of its own after its own untimed run (the timed run's prompts are cached by now): its worker
+    steps summarized (``step_profile``), or what went wrong."""
+    traces, before = folder / "traces", set(step_profile.traces_in(folder / "traces"))
+    for name, flags in (
+        (f"{w.name}-profiled-warm", w.warm_flags),
+        (f"{w.name}-profiled", (*w.flags, "--profile")),
+    ):
+        command = client_command(args.port, SERVED_NAME, args.tokenizer, seed, flags, folder / f"{name}.json")
+        rc = runner.run_child(command, env, folder / f"{name}.log", max(deadline - time.time(), 1))
+        if rc != 0:
+            return f"{name}: client {'out of time' if rc is None else rc}, see {folder / name}.log"
+    if not (new := sorted(set(step_profile.traces_in(traces)) - before)):
+        return f"{w.name}-profiled: the server wrote no trace into {traces}"
+    return step_profile.summarize_files(new)
 
 
 def run_lifetime(args: Any, side: runner.Side, n: int, workloads: list[Workload]) -> dict:

@@ -24,10 +24,8 @@ from . import common
 from .shared_prefix_case import make_case
 from .shared_prefix_decode_path import prepare_absorbed, prepare_shared_absorbed
 from .shared_prefix_layer import timed
-
-
-def parse_ints(text: str) -> list[int]:
-    return sorted({int(v) for v in text.split(",")})
+from .shared_prefix_workload import parse_ints
+from .sides import markdown_table
 
 
 def measure(
@@ -67,16 +65,15 @@ def crossover(points: Sequence[dict[str, Any]]) -> dict[int, int | None]:
 
 
 def crossover_lines(table: dict[int, int | None]) -> list[str]:
-    lines = ["| prefix tokens | the shared call from (requests) |", "| --- | --- |"]
-    lines += [f"| {p} | {'never measured faster' if b is None else b} |" for p, b in table.items()]
-    return lines
+    rows = [[str(p), "never measured faster" if b is None else str(b)] for p, b in table.items()]
+    return markdown_table(["prefix tokens", "the shared call from (requests)"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--requests", type=parse_ints, default=parse_ints("32,48,64,96,128"))
     parser.add_argument("--prefix", type=parse_ints, default=parse_ints("8192,16384,32768"))
-    parser.add_argument("--private", type=parse_ints, default=parse_ints("0,256"))
+    parser.add_argument("--private", type=lambda t: parse_ints(t, minimum=0), default=[0, 256])
     parser.add_argument(
         "--shared-splits", type=int, default=0, help="the prefix call's num_splits (0: FA3's)"
     )
@@ -86,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = torch.device("cuda")
-    points = []
-    print("| B | P | S | absorbed ms | shared_absorbed ms | ratio | max diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    points, rows = [], []
+    columns = ["B", "P", "S", "absorbed ms", "shared_absorbed ms", "ratio", "max diff"]
     for b, p, s in itertools.product(args.requests, args.prefix, args.private):
         point = measure(b, p, s, device, args.repeats, args.shared_splits)
         points.append(point)
-        cells = [b, p, s, f"{point['absorbed_ms']:.3f}", f"{point['shared_absorbed_ms']:.3f}"]
-        cells += [f"{point['ratio']:.2f}", f"{point['max_out_diff']:.5f}"]
-        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+        rows.append(
+            [str(b), str(p), str(s), *(f"{point[k]:.3f}" for k in ("absorbed_ms", "shared_absorbed_ms"))]
+        )
+        rows[-1] += [f"{point['ratio']:.2f}", f"{point['max_out_diff']:.5f}"]
+        common.stamp(" ".join(rows[-1]))
         torch.cuda.empty_cache()
+    print("\n".join(markdown_table(columns, rows)), flush=True)
     table = crossover(points)
     print("\n".join(crossover_lines(table)), flush=True)
     common.write_json(args.json, common.record(points=points, crossover=table, config=vars(args)))

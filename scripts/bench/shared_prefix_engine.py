@@ -242,9 +242,12 @@ def profile_steps(text: str) -> tuple[int, int]:
 
 
 def profiler_options(folder: Path, steps: tuple[int, int]) -> dict[str, Any]:
-    """``LLM`` arguments for vLLM's torch profiler writing one engine's traces into ``folder``."""
+    """``LLM`` arguments for vLLM's torch profiler writing one engine's traces into ``folder``, skipping
+    ``steps[0]`` worker steps, then recording ``steps[1]`` (vLLM starts at the step its count reaches
+    ``delay_iterations``: that step is recorded)."""
     config = dict(profiler="torch", torch_profiler_dir=str(folder.resolve()), torch_profiler_with_stack=False)
-    return {"profiler_config": {**config, "delay_iterations": steps[0], "max_iterations": steps[1]}}
+    delay = steps[0] + 1 if steps[0] else 0
+    return {"profiler_config": {**config, "delay_iterations": delay, "max_iterations": steps[1]}}
 
 
 def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:

@@ -180,11 +180,11 @@ def parse_points(text: str) -> list[tuple[int, int]]:
     return points
 
 
-def parse_ints(text: str) -> list[int]:
-    """``32768,8192`` -> [32768, 8192] (positive)."""
+def parse_ints(text: str, minimum: int = 1) -> list[int]:
+    """``32768,8192`` -> [32768, 8192] (each at least ``minimum``)."""
     values = [int(v) for v in text.split(",")]
-    if any(v <= 0 for v in values):
-        raise ValueError(f"{text!r}: positive integers only")
+    if any(v < minimum for v in values):
+        raise ValueError(f"{text!r}: integers of at least {minimum} only")
     return values
 
 

@@ -4,18 +4,19 @@
 
 TRACE: a worker's trace as vLLM writes it (``profiler_config={"profiler": "torch", "torch_profiler_dir":
 DIR}``, then ``LLM.start_profile()`` ... ``stop_profile()``; ``DIR/*.pt.trace.json.gz``), or a folder of
-them; ``shared_prefix_engine --profile DIR`` makes one folder per side. Each worker step is the span vLLM
-annotates as ``execute_context_C(c)_generation_G(g)`` (C requests with c new tokens in prefill, G
-decoding): its host time is that span; the time since the previous step's span ended is the engine
-core's (scheduling, prefix-cache lookups, output processing: "between"); its GPU work is every kernel,
-copy and set launched inside its span (linked by the trace's correlation ids, so work the GPU runs after
-the host has moved on still counts for its step). Per kind of step (decode: no prefill request; prefill:
-no decoding one; mixed) the median step: host ms, between ms, GPU busy ms (the union of its kernels'
-intervals), the GPU's idle share between its first and last kernel, and GPU ms per group of kernels
-(attention, merge, GEMM, MoE, copies, other). A step whose host time exceeds its GPU busy time by far is
-bound by the host (Python, launches); one whose GPU is busy throughout is bound by its kernels. The
-profiler's own overhead lengthens host time on every side alike: compare sides profiled the same way, not
-a profiled step with a timed one.
+them; ``shared_prefix_engine --profile DIR`` makes one folder per side. Each worker step starts where vLLM
+annotates its ``execute_model`` as ``execute_context_C(c)_generation_G(g)`` (C requests with c new tokens in
+prefill, G decoding). Its host time is that span; "between" is the host time from its end to the next
+step's start (the sampler, which vLLM calls after ``execute_model``, the engine core's scheduling and
+output processing, and any wait on the GPU). Its GPU work is every kernel, copy and set launched from its
+start to the next step's (linked by the trace's correlation ids, so work the GPU runs after the host has
+moved on still counts for its step). Per kind of step (decode: no prefill request; prefill: no decoding
+one; mixed) the median step: host ms, between ms, GPU busy ms (the union of its kernels' intervals), the
+GPU's idle share between its first and last kernel, launches, and GPU ms per group of kernels (attention,
+merge, GEMM, MoE, copies, other). A step whose host time is well above its GPU busy time is bound by the
+host (Python, launches); one whose GPU is busy throughout is bound by its kernels. The profiler's own
+overhead lengthens host time on every side alike: compare sides profiled the same way, not a profiled step
+with a timed one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import common
+from .sides import markdown_table
 
 STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 # First match wins: vLLM's merge kernel names "attn" too, FA3's combine kernel is attention's.
@@ -49,11 +51,11 @@ LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 class Step(NamedTuple):
     kind: str  # decode, prefill or mixed
     host_ms: float
-    gap_ms: float | None  # host time since the previous step ended: the engine core's (None: the first)
+    gap_ms: float | None  # host time since the previous step's annotation ended (None: the first)
     gpu_busy_ms: float
     gpu_span_ms: float  # first kernel's start to last kernel's end
     groups_ms: dict[str, float]
-    launches: int
+    launches: int  # launches with GPU work (a CUDA graph's replay: one)
 
 
 def group_of(kernel: str) -> str:
@@ -78,35 +80,38 @@ def busy_ms(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def steps_of(trace: dict[str, Any]) -> list[Step]:
-    """Every annotated worker step of one trace, in order."""
+    """Every annotated worker step of one trace, in order. A step's GPU work is what the host launched from
+    its annotation's start to the next one's (the sampler, which vLLM calls after the annotated
+    ``execute_model``, included); a CUDA graph's replay is one launch whose kernels share its correlation."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    gpu: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in GPU_CATEGORIES and "correlation" in e.get("args", {}):
+            gpu.setdefault(e["args"]["correlation"], []).append(e)
     launches = sorted(
         (e["ts"], e["args"]["correlation"])
         for e in events
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+        if e.get("cat") in LAUNCH_CATEGORIES and e.get("args", {}).get("correlation") in gpu
     )
-    gpu = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in GPU_CATEGORIES and "correlation" in e.get("args", {})
-    }
-    steps, last_end = [], None
-    for e in sorted(events, key=lambda e: e["ts"]):
-        if e.get("cat") != "user_annotation" or not (m := STEP.match(e.get("name", ""))):
-            continue
-        begin, end = e["ts"], e["ts"] + e["dur"]
-        first = bisect.bisect_left(launches, (begin,))
-        launched = [c for _, c in launches[first : bisect.bisect_right(launches, (end, float("inf")))]]
-        kernels = [gpu[c] for c in launched if c in gpu]
+    marks = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and STEP.match(e.get("name", ""))),
+        key=lambda e: e["ts"],
+    )
+    steps = []
+    for i, e in enumerate(marks):
+        m = STEP.match(e["name"])
+        begin = e["ts"]
+        until = marks[i + 1]["ts"] if i + 1 < len(marks) else float("inf")
+        window = launches[bisect.bisect_left(launches, (begin,)) : bisect.bisect_left(launches, (until,))]
+        kernels = [k for _, c in window for k in gpu[c]]
         groups = dict.fromkeys(GROUP_NAMES, 0.0)
         for k in kernels:
             groups[group_of(k["name"])] += k["dur"] / 1000
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in kernels]
         span = (max(s for _, s in spans) - min(s for s, _ in spans)) / 1000 if spans else 0.0
+        gap = None if i == 0 else (begin - marks[i - 1]["ts"] - marks[i - 1]["dur"]) / 1000
         kind = step_kind(int(m.group(1)), int(m.group(3)))
-        gap = None if last_end is None else (begin - last_end) / 1000
-        steps.append(Step(kind, e["dur"] / 1000, gap, busy_ms(spans), span, groups, len(launched)))
-        last_end = end
+        steps.append(Step(kind, e["dur"] / 1000, gap, busy_ms(spans), span, groups, len(window)))
     return steps
 
 
@@ -158,17 +163,15 @@ def summarize_files(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
 
 def profile_lines(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """One markdown row per side and kind of step (medians)."""
-    head = ["side", "steps", "n", "host ms", "between ms", "GPU busy ms", "GPU idle", "launches"]
-    head += [f"{g} ms" for g in GROUP_NAMES]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    head = ["side", "kind", "steps", "host ms", "between ms", "GPU busy ms", "GPU idle", "launches"]
+    rows = []
     for side, kinds in summaries.items():
         for kind, s in kinds.items():
             idle = "-" if s["gpu_idle_share"] is None else f"{s['gpu_idle_share']:.0%}"
             gap = "-" if s["gap_ms"] is None else f"{s['gap_ms']:.2f}"
             cells = [side, kind, str(s["steps"]), f"{s['host_ms']:.2f}", gap, f"{s['gpu_busy_ms']:.2f}", idle]
-            cells += [f"{s['launches']:.0f}", *(f"{s['groups_ms'][g]:.2f}" for g in GROUP_NAMES)]
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            rows.append([*cells, f"{s['launches']:.0f}", *(f"{s['groups_ms'][g]:.2f}" for g in GROUP_NAMES)])
+    return markdown_table([*head, *(f"{g} ms" for g in GROUP_NAMES)], rows)
 
 
 def profile_sides(paths: dict[str, Path]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -14,9 +14,11 @@ import random
 import socket
 import statistics
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.bench import serving_report as report
 from scripts.bench import serving_workloads as workloads
@@ -43,6 +45,23 @@ def test_the_tokenizer_loads_from_its_folder_and_round_trips_the_model_vocabular
     assert tokenizer(tokenizer.decode(ids)).input_ids == ids
 
 
+def write_trace(path: Path) -> None:
+    """A real torch profiler trace (CPU) of two worker steps annotated as vLLM annotates them."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for name in ("execute_context_6(600)_generation_0(0)", "execute_context_0(0)_generation_6(6)"):
+            with record_function(name):
+                torch.ones(8) * 2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = path.with_suffix("")
+    prof.export_chrome_trace(str(plain))
+    path.write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+
+
 class Endpoint:
     """OpenAI completions, streamed: ``max_tokens`` chunks, then the usage; each prompt kept."""
 
@@ -50,6 +69,7 @@ class Endpoint:
         from transformers import AutoTokenizer
 
         self.tokenizer_dir, self.prompts, self.profiling = tokenizer_dir, [], []
+        self.traces: Path | None = None  # where /stop_profile writes a worker's trace, as vLLM's would
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -77,6 +97,8 @@ class Endpoint:
 
         async def profile(request: web.Request) -> web.Response:  # vLLM's /start_profile, /stop_profile
             self.profiling.append(request.path)
+            if request.path == "/stop_profile" and self.traces is not None:
+                write_trace(self.traces / f"worker.{len(self.profiling)}.pt.trace.json.gz")
             return web.Response()
 
         app = web.Application()
@@ -290,3 +312,29 @@ def test_the_server_profiles_with_vllms_own_profiler_config(tmp_path):
     command = serving.serve_command(args, tmp_path / "traces")
     config = ProfilerConfig(**json.loads(command[command.index("--profiler-config") + 1]))
     assert config.profiler == "torch" and config.torch_profiler_dir == str((tmp_path / "traces").resolve())
+    assert config.ignore_frontend
+
+
+def test_a_workload_is_profiled_at_a_seed_of_its_own_after_its_own_untimed_run(endpoint, tmp_path):
+    from types import SimpleNamespace
+
+    from scripts.bench import serving
+
+    args = SimpleNamespace(port=endpoint.port, tokenizer=endpoint.tokenizer_dir)
+    endpoint.profiling.clear()
+    endpoint.prompts.clear()
+    endpoint.traces = tmp_path / "traces"
+    try:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        summary = serving.profile_workload(
+            args, BURST, 7 + serving.PROFILED_SEED, tmp_path, env, time.time() + 300
+        )
+    finally:
+        endpoint.traces = None
+    assert endpoint.profiling == ["/start_profile", "/stop_profile"]  # around the second run only
+    warm, profiled = endpoint.prompts[:6], endpoint.prompts[6:]
+    assert len(warm) == len(profiled) == 6  # its own untimed run came first
+    assert profiled[0].startswith(warm[0][: len(warm[0]) // 2])  # and cached the profiled run's prefix
+    assert summary["prefill"]["steps"] == 1 and summary["decode"]["steps"] == 1
+    run_client(endpoint, tmp_path, "timed-again", BURST.flags)  # the figures' seed (7): other prompts
+    assert not set(endpoint.prompts) & set(profiled)

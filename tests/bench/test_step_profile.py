@@ -45,9 +45,10 @@ def trace_with_kernels(next_step: bool = False) -> dict:
     return {
         "traceEvents": [
             event("user_annotation", DECODE, 0, 1000),
+            event("cuda_runtime", "cudaStreamSynchronize", 50, 5, 4),  # no GPU work: not a launch
             event("cuda_runtime", "cudaLaunchKernel", 100, 5, 1),
             event("cuda_runtime", "cudaLaunchKernel", 200, 5, 2),
-            event("cuda_runtime", "cudaLaunchKernel", 1200, 5, 3),  # the next step's
+            event("cuda_runtime", "cudaLaunchKernel", 1200, 5, 3),  # after the next step's start (1150)
             event("kernel", "void flash::FlashAttnFwdSm90<Params>(Params)", 500, 300, 1),
             # launched in the step, run after its host span ended (async): still the step's
             event("kernel", "void vllm::merge_attn_states_kernel<bf16>(...)", 1100, 100, 2),
@@ -68,6 +69,33 @@ def test_a_steps_gpu_work_is_what_it_launched_grouped_by_kernel():
     assert step.gpu_busy_ms == pytest.approx(0.4) and step.gpu_span_ms == pytest.approx(0.7)
     summary = step_profile.summarize([step])["decode"]
     assert summary["gpu_idle_share"] == pytest.approx(1 - 0.4 / 0.7)
+
+
+def test_a_cuda_graph_replay_is_one_launch_with_all_its_kernels():
+    def event(cat, name, ts, dur, correlation):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"correlation": correlation},
+        }
+
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": DECODE, "ts": 0, "dur": 100, "args": {}},
+            event("cuda_runtime", "cudaGraphLaunch", 10, 5, 9),
+            event("kernel", "fused_moe_kernel", 200, 300, 9),  # every kernel of the replay: correlation 9
+            event("kernel", "void flash::FlashAttnFwdSm90<P>(P)", 500, 400, 9),
+            event("kernel", "nvjet_tst_gemm", 900, 200, 9),
+        ]
+    }
+    (step,) = step_profile.steps_of(trace)
+    assert step.launches == 1 and step.gpu_busy_ms == pytest.approx(0.9)
+    assert (step.groups_ms["moe"], step.groups_ms["attention"], step.groups_ms["gemm"]) == pytest.approx(
+        (0.3, 0.4, 0.2)
+    )
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
@@ -93,8 +121,10 @@ def test_kernel_groups(kernel, group):
 def test_the_report_has_a_row_per_side_and_kind():
     summaries = {"stock": step_profile.summarize(step_profile.steps_of(trace_with_kernels()))}
     lines = step_profile.profile_lines(summaries)
-    assert lines[0].startswith("| side | steps | n | host ms | between ms | GPU busy ms | GPU idle |")
-    assert lines[2].startswith("| stock | decode | 1 | 1.00 | - | 0.40 | 43% | 2 |")
+    assert lines[0].startswith("| side | kind | steps | host ms | between ms | GPU busy ms | GPU idle |")
+    assert lines[2].startswith(
+        "| stock | decode | 1 | 1.00 | - | 0.45 | 47% | 3 |"
+    )  # the gemm too: no next step
 
 
 def test_the_cli_reads_a_trace_and_writes_its_summary(tmp_path, capsys):
@@ -103,7 +133,7 @@ def test_the_cli_reads_a_trace_and_writes_its_summary(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert step_profile.main([str(trace), "--label", "stock", "--json", str(out)]) == 0
     assert "| stock | decode | 1 |" in capsys.readouterr().out
-    assert json.loads(out.read_text())["profile"]["stock"]["decode"]["launches"] == 2
+    assert json.loads(out.read_text())["profile"]["stock"]["decode"]["launches"] == 3
 
 
 def test_the_engine_benchmark_profiles_with_vllms_own_profiler_config(tmp_path):
@@ -111,7 +141,8 @@ def test_the_engine_benchmark_profiles_with_vllms_own_profiler_config(tmp_path):
 
     options = shared_prefix_engine.profiler_options(tmp_path, shared_prefix_engine.profile_steps("8:16"))
     config = ProfilerConfig(**options["profiler_config"])  # what LLM(profiler_config=...) builds
-    assert (config.profiler, config.delay_iterations, config.max_iterations) == ("torch", 8, 16)
+    # vLLM records from the step its count reaches delay_iterations: 8 skipped means 9
+    assert (config.profiler, config.delay_iterations, config.max_iterations) == ("torch", 9, 16)
     assert config.torch_profiler_dir == str(tmp_path.resolve()) and not config.torch_profiler_with_stack
 
 
