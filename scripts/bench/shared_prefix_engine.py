@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = cache_notes(table)
     # Against every stock lifetime (two or more), each pause side against its host.
     compared = comparisons(raw["seconds"], header["sides"])
-    # The profiled calls' records in path_steps have rep = reps + 1.
+    # The lines below show the timed calls; the JSON keeps the profiled ones too (rep = reps + 1).
+    timed_calls = list(path_steps)
     profiled = profile_calls(points, labels, folders, engines, timed, vocab, args.reps + 1) if folders else {}
     for label in own:  # the path as the add-on sets it again, before the last reports
         set_pause(label, ())
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     after = {label: own[label].collective_rpc(engine.prefill_owners) for label in own}
     for label, workers in after.items():
         print(f"{label}: shared-prefix path {[w.get('shared_prefix') for w in workers]}", flush=True)
-    print("\n".join(path_steps_lines(path_steps)), flush=True)
+    print("\n".join(path_steps_lines(timed_calls)), flush=True)
     memory = {label: own[label].collective_rpc(engine.memory_peak) for label in own}
     print("\n".join(memory_lines(memory)), flush=True)
     print("\n".join(lines + [f"note: {n}" for n in notes]), flush=True)
