@@ -44,13 +44,7 @@ def serve_command(args: Any, traces: Path | None = None) -> list[str]:
     command += ["--max-model-len", "40960", "--gpu-memory-utilization", str(args.gpu_mem)]
     command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0"]
     if traces is not None:
-        config = {
-            "profiler": "torch",
-            "torch_profiler_dir": str(traces.resolve()),
-            "torch_profiler_with_stack": False,
-            "ignore_frontend": True,  # the workers' traces only (0.34's API server would write its own)
-        }
-        command += ["--profiler-config", json.dumps(config)]
+        command += ["--profiler-config", json.dumps(step_profile.profiler_config(traces))]
     return command + ["--enforce-eager"] * args.eager
 
 
@@ -99,7 +93,7 @@ def profile_workload(
         rc = runner.run_child(command, env, folder / f"{name}.log", max(deadline - time.time(), 1))
         if rc != 0:
             return f"{name}: client {'out of time' if rc is None else rc}, see {folder / name}.log"
-    if not (new := sorted(set(step_profile.traces_in(traces)) - before)):
+    if not (new := step_profile.new_traces(traces, before)):
         return f"{w.name}-profiled: the server wrote no trace into {traces}"
     return step_profile.summarize_files(new)
 

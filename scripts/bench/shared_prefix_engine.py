@@ -194,8 +194,7 @@ def profile_calls(
             engines[side].start_profile()
             timed(side, prompts, point, rep)
             engines[side].stop_profile()  # returns once the workers have written their traces
-            new = sorted(set(step_profile.traces_in(folders[side])) - before)
-            if not new:
+            if not (new := step_profile.new_traces(folders[side], before)):
                 raise SystemExit(f"side {side}: the profiler wrote no trace into {folders[side]}")
             out[f"{side} {point.key}"] = step_profile.summarize_files(new)
     return out
@@ -241,15 +240,6 @@ def profile_steps(text: str) -> tuple[int, int]:
     return steps
 
 
-def profiler_options(folder: Path, steps: tuple[int, int]) -> dict[str, Any]:
-    """``LLM`` arguments for vLLM's torch profiler writing one engine's traces into ``folder``, skipping
-    ``steps[0]`` worker steps, then recording ``steps[1]`` (vLLM starts at the step its count reaches
-    ``delay_iterations``: that step is recorded)."""
-    config = dict(profiler="torch", torch_profiler_dir=str(folder.resolve()), torch_profiler_with_stack=False)
-    delay = steps[0] + 1 if steps[0] else 0
-    return {"profiler_config": {**config, "delay_iterations": delay, "max_iterations": steps[1]}}
-
-
 def plan(args: Any) -> tuple[list[SideSpec], list[Point]]:
     """The run's sides and points from its flags (a ValueError says what is wrong)."""
     sides = workload.parse_sides(args.sides)
@@ -291,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
 
     own, info = {}, {}  # the engines started, by the label of the side that owns each
     folders = {s.label: args.profile / s.label.replace(":", "-") for s in sides} if args.profile else {}
+    steps = profile_steps(args.profile_steps) if folders else (0, 0)
     for side in sides:
         if side.engine is None:
             options = {"enable_prefix_caching": True}
             if folders:
-                options |= profiler_options(folders[side.label], profile_steps(args.profile_steps))
+                options["profiler_config"] = step_profile.profiler_config(folders[side.label], *steps)
             own[side.label], info[side.label] = engine.start_engine(
                 side.backend, args, extra_env=side.extra_env, name=side.label, **options
             )

@@ -115,6 +115,20 @@ def steps_of(trace: dict[str, Any]) -> list[Step]:
     return steps
 
 
+def profiler_config(folder: Path, delay: int = 0, count: int = 0) -> dict[str, Any]:
+    """vLLM's ``profiler_config`` (``LLM(profiler_config=...)``, ``vllm serve --profiler-config``) for the
+    workers' torch traces in ``folder``, skipping ``delay`` worker steps and recording ``count`` (0: every
+    step until ``stop_profile``); vLLM starts at the step its count reaches ``delay_iterations``, which it
+    records, hence ``delay + 1``. No stacks (smaller traces), no front-end trace (0.34's API server)."""
+    config = dict(profiler="torch", torch_profiler_dir=str(folder.resolve()), torch_profiler_with_stack=False)
+    return {
+        **config,
+        "ignore_frontend": True,
+        "delay_iterations": delay + 1 if delay else 0,
+        "max_iterations": count,
+    }
+
+
 def read_trace(path: Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -124,6 +138,11 @@ def read_trace(path: Path) -> dict[str, Any]:
 def traces_in(folder: Path) -> list[Path]:
     """The traces in a folder (vLLM's ``*.pt.trace.json[.gz]``; none if the folder is not there)."""
     return sorted([*folder.glob("*.json.gz"), *folder.glob("*.json")])
+
+
+def new_traces(folder: Path, before: set[Path]) -> list[Path]:
+    """The traces in ``folder`` that were not among ``before`` (what one profiled run wrote)."""
+    return sorted(set(traces_in(folder)) - before)
 
 
 def trace_files(path: Path) -> list[Path]:

@@ -139,8 +139,10 @@ def test_the_cli_reads_a_trace_and_writes_its_summary(tmp_path, capsys):
 def test_the_engine_benchmark_profiles_with_vllms_own_profiler_config(tmp_path):
     from vllm.config import ProfilerConfig
 
-    options = shared_prefix_engine.profiler_options(tmp_path, shared_prefix_engine.profile_steps("8:16"))
-    config = ProfilerConfig(**options["profiler_config"])  # what LLM(profiler_config=...) builds
+    steps = shared_prefix_engine.profile_steps("8:16")
+    config = ProfilerConfig(
+        **step_profile.profiler_config(tmp_path, *steps)
+    )  # what LLM(profiler_config=...) builds
     # vLLM records from the step its count reaches delay_iterations: 8 skipped means 9
     assert (config.profiler, config.delay_iterations, config.max_iterations) == ("torch", 9, 16)
     assert config.torch_profiler_dir == str(tmp_path.resolve()) and not config.torch_profiler_with_stack
